@@ -1,0 +1,12 @@
+"""lightning-sync: communication-efficient data-parallel strategies for PyTorch Lightning.
+
+``Trainer(strategy="selsync")`` or ``strategy=SelSyncStrategy(delta=0.3)``; importing the package registers the
+strategy names with Lightning.
+"""
+
+from lightning_sync.comm import CommStats, LinkModel
+from lightning_sync.strategies import BSPStrategy, SelSyncStrategy, SyncStrategy
+
+__version__ = "0.1.0"
+
+__all__ = ["BSPStrategy", "CommStats", "LinkModel", "SelSyncStrategy", "SyncStrategy", "__version__"]

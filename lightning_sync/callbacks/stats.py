@@ -1,0 +1,69 @@
+"""Log LSSR and communication totals through the Trainer's loggers and progress bar."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lightning_sync.strategies.base import SyncStrategy
+
+
+class SyncStats(Callback):
+    """Logs a lightning_sync strategy's :meth:`~lightning_sync.strategies.SyncStrategy.sync_metrics`.
+
+    Every ``log_every_n_steps`` training steps (the Trainer's value by default) it logs, under ``prefix``:
+
+    ========================  =================================================================================
+    ``lssr``                  local-to-synchronous step ratio, Eq. 4 of SelSync: local / (local + sync)
+    ``local_steps``           optimizer steps applied without synchronisation
+    ``sync_steps``            optimizer steps that synchronised (parameters or gradients)
+    ``bytes_sent``            bytes this rank sent for training (all tags but setup/checkpoint/verify)
+    ``bytes_<tag>``           bytes per tag: ``params``, ``grads``, ``vote``, ``lightning`` (Lightning's own
+                              collectives: ``sync_dist`` logging, barriers), ``setup``, ``checkpoint``...
+    ``collectives``           collectives issued for training; ``blocking_collectives`` those waited on at once
+    ``blocked_s``             seconds the training thread was blocked in communication (emulated delay included)
+    ``delta``, ``voters``     SelSync only: this rank's last relative gradient change and how many ranks voted
+    ========================  =================================================================================
+
+    Values are rank 0's (loggers write on rank 0); with the all-reduce based strategies the counts are the same
+    on every rank. LSSR is also shown in the progress bar. The callback only reads the strategy's counters: it
+    never communicates.
+    """
+
+    def __init__(self, prefix: str = "sync/", log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
+        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
+            raise ValueError(f"log_every_n_steps must be an integer >= 1 or None, got {log_every_n_steps!r}")
+        self.prefix = prefix
+        self.log_every_n_steps = log_every_n_steps
+        self.prog_bar = prog_bar
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not isinstance(trainer.strategy, SyncStrategy):
+            raise ValueError(
+                f"SyncStats reads the accounting of a lightning_sync strategy, but the Trainer uses "
+                f"{type(trainer.strategy).__name__}. Use e.g. strategy='bsp' (BSP with accounting) or 'selsync'."
+            )
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SyncStrategy)
+        metrics = strategy.sync_metrics()
+        for key, value in metrics.items():
+            pl_module.log(
+                self.prefix + key,
+                float(value),
+                on_step=True,
+                on_epoch=False,
+                prog_bar=self.prog_bar and key == "lssr",
+                logger=True,
+                rank_zero_only=True,
+            )
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every == 0 or trainer.is_last_batch:
+            self._log(trainer, pl_module)

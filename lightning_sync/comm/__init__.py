@@ -1,0 +1,8 @@
+"""Communication: the only layer that touches ``torch.distributed``; one accounting path for every method."""
+
+from lightning_sync.comm.accounting import CommStats
+from lightning_sync.comm.communicator import CommHandle, Communicator, destroy_default_group
+from lightning_sync.comm.flat import FlatState
+from lightning_sync.comm.link import LinkModel
+
+__all__ = ["CommHandle", "CommStats", "Communicator", "FlatState", "LinkModel", "destroy_default_group"]

@@ -1,0 +1,75 @@
+"""The one accounting path: every collective a strategy issues is recorded here by :class:`Communicator`."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+#: Tags that are not training communication: the initial broadcast and checkpoint-state gathering.
+BOOKKEEPING_TAGS = frozenset({"setup", "checkpoint", "verify"})
+
+
+class CommStats:
+    """Per-rank communication totals, broken down by tag (``"params"``, ``"grads"``, ``"vote"``, ...).
+
+    For every operation: ``bytes_sent`` (what this rank put on the wire, :mod:`lightning_sync.comm.cost`),
+    ``ops`` (collectives issued), ``blocking`` (those the training thread waited on at the call) and
+    ``blocked_seconds`` (wall time the training thread spent inside blocking calls and ``wait()`` on
+    asynchronous handles, emulated link delay included). Lives next to its ``state_dict`` so totals survive a
+    resume.
+    """
+
+    def __init__(self) -> None:
+        self.bytes_sent: dict[str, int] = defaultdict(int)
+        self.ops: dict[str, int] = defaultdict(int)
+        self.blocking: dict[str, int] = defaultdict(int)
+        self.blocked_seconds: dict[str, float] = defaultdict(float)
+
+    def record_launch(self, tag: str, nbytes: int, blocking: bool) -> None:
+        self.bytes_sent[tag] += nbytes
+        self.ops[tag] += 1
+        if blocking:
+            self.blocking[tag] += 1
+
+    def record_blocked(self, tag: str, seconds: float) -> None:
+        self.blocked_seconds[tag] += seconds
+
+    def total_bytes(self, include_bookkeeping: bool = False) -> int:
+        return sum(v for k, v in self.bytes_sent.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+
+    def total_ops(self, include_bookkeeping: bool = False) -> int:
+        return sum(v for k, v in self.ops.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+
+    def total_blocking(self, include_bookkeeping: bool = False) -> int:
+        return sum(v for k, v in self.blocking.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+
+    def total_blocked_seconds(self, include_bookkeeping: bool = False) -> float:
+        return sum(
+            v for k, v in self.blocked_seconds.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS
+        )
+
+    def summary(self) -> dict[str, float]:
+        """Flat metrics: training totals plus per-tag bytes (``bytes_<tag>``)."""
+        out: dict[str, float] = {
+            "bytes_sent": float(self.total_bytes()),
+            "collectives": float(self.total_ops()),
+            "blocking_collectives": float(self.total_blocking()),
+            "blocked_s": self.total_blocked_seconds(),
+        }
+        for tag, value in sorted(self.bytes_sent.items()):
+            out[f"bytes_{tag}"] = float(value)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_sent": dict(self.bytes_sent),
+            "ops": dict(self.ops),
+            "blocking": dict(self.blocking),
+            "blocked_seconds": dict(self.blocked_seconds),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bytes_sent = defaultdict(int, state["bytes_sent"])
+        self.ops = defaultdict(int, state["ops"])
+        self.blocking = defaultdict(int, state["blocking"])
+        self.blocked_seconds = defaultdict(float, state["blocked_seconds"])

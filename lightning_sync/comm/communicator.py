@@ -1,0 +1,206 @@
+"""The only code in the pack that calls ``torch.distributed``.
+
+Every operation is recorded by :class:`~lightning_sync.comm.accounting.CommStats` (bytes from
+:mod:`lightning_sync.comm.cost`, ops, blocking ops, seconds blocked) and, when a
+:class:`~lightning_sync.comm.link.LinkModel` is given, delayed by its emulated transfer time on the thread or
+handle that carries it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sync.comm.accounting import CommStats
+from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
+from lightning_sync.comm.link import LinkModel
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.SUM}
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+class CommHandle:
+    """An asynchronous operation in flight.
+
+    Wraps the ``torch.distributed`` ``Work``; with link emulation it is not complete before its emulated
+    arrival time (launch + ``latency + bytes/bandwidth``). :meth:`wait` charges the time spent waiting to the
+    accounting as blocked time; :meth:`is_completed` never blocks.
+    """
+
+    def __init__(
+        self,
+        work: Any,
+        stats: CommStats,
+        tag: str,
+        ready_at: float,
+        on_complete: Callable[[], None] | None = None,
+    ) -> None:
+        self._work = work
+        self._stats = stats
+        self._tag = tag
+        self.ready_at = ready_at
+        self._on_complete = on_complete
+        self._done = False
+        self.completed_at: float | None = None
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        return (self._work is None or self._work.is_completed()) and time.perf_counter() >= self.ready_at
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        start = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        _sleep_until(self.ready_at)
+        if self._on_complete is not None:
+            self._on_complete()
+        self._done = True
+        self.completed_at = time.perf_counter()
+        self._stats.record_blocked(self._tag, self.completed_at - start)
+
+
+class Communicator:
+    """Collectives over one process group, with accounting and optional link emulation.
+
+    Tensors must live where the group's backend expects them (CPU for gloo, CUDA for NCCL). ``op="avg"`` is
+    a SUM followed by an in-place division by the world size (gloo has no AVG), done on completion.
+    """
+
+    def __init__(self, stats: CommStats, link: LinkModel | None = None, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Communicator needs an initialised torch.distributed default process group")
+        self.stats = stats
+        self.link = link
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self._cuda = self.backend == "nccl"
+
+    # ------------------------------------------------------------------ internals
+    def _delay(self, nbytes: int) -> float:
+        return self.link.delay(nbytes) if self.link is not None else 0.0
+
+    def _finish_blocking(self, tag: str, start: float, nbytes: int) -> None:
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+        if self.link is not None:
+            _sleep_until(time.perf_counter() + self._delay(nbytes))
+        self.stats.record_blocked(tag, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Tensor, op: str = "sum", tag: str = "other", async_op: bool = False) -> CommHandle:
+        """All-reduce ``tensor`` in place. Returns a completed handle when ``async_op=False``."""
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        nbytes = allreduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.rank, self.backend)
+        self.stats.record_launch(tag, nbytes, blocking=not async_op)
+        finish = (lambda: tensor.div_(self.world_size)) if op == "avg" and self.world_size > 1 else None
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op) if self.world_size > 1 else None
+        if async_op:
+            return CommHandle(work, self.stats, tag, start + self._delay(nbytes), finish)
+        self._finish_blocking(tag, start, nbytes)
+        if finish is not None:
+            finish()
+        handle = CommHandle(None, self.stats, tag, start)
+        handle._done = True
+        return handle
+
+    def all_reduce_many(self, tensors: Sequence[Tensor], op: str = "sum", tag: str = "other") -> None:
+        """Blocking all-reduce of several flat tensors: launched back to back, then waited together."""
+        if len(tensors) == 1:
+            self.all_reduce(tensors[0], op=op, tag=tag)
+            return
+        handles = [self.all_reduce(t, op=op, tag=tag, async_op=True) for t in tensors]
+        for h in handles:
+            h.wait()
+
+    def broadcast(self, tensor: Tensor, src: int = 0, tag: str = "other") -> None:
+        """Blocking broadcast. Every rank's emulated delay is charged on the payload: each rank receives or
+        sends it at least once, whatever its share of the tree's sends."""
+        payload = tensor.numel() * tensor.element_size()
+        self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
+        start = time.perf_counter()
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+        self._finish_blocking(tag, start, payload if self.world_size > 1 else 0)
+
+    def all_gather(self, tensor: Tensor, tag: str = "other") -> Tensor:
+        """Blocking all-gather; returns a new tensor of shape ``(world_size, *tensor.shape)``."""
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        nbytes = allgather_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self.stats.record_launch(tag, nbytes, blocking=True)
+        start = time.perf_counter()
+        if self.world_size > 1:
+            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group)
+        else:
+            out[0].copy_(tensor)
+        self._finish_blocking(tag, start, nbytes)
+        return out
+
+    def all_gather_differentiable(self, tensor: Tensor, tag: str = "other") -> Tensor:
+        """All-gather whose backward all-reduces gradients (``torch.distributed.nn``), shape ``(N, *shape)``."""
+        from torch.distributed.nn.functional import all_gather as _ag
+
+        nbytes = allgather_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self.stats.record_launch(tag, nbytes, blocking=True)
+        start = time.perf_counter()
+        out = torch.stack(_ag(tensor, group=self.group or dist.group.WORLD))
+        self._finish_blocking(tag, start, nbytes)
+        return out
+
+    def all_gather_object(self, obj: Any, tag: str = "other") -> list[Any]:
+        """Pickle-based all-gather of Python objects (checkpoint state, small metadata)."""
+        nbytes = allgather_bytes(len(pickle.dumps(obj)), self.world_size)
+        self.stats.record_launch(tag, nbytes, blocking=True)
+        start = time.perf_counter()
+        out: list[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(out, obj, group=self.group)
+        else:
+            out[0] = obj
+        self._finish_blocking(tag, start, nbytes)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0, tag: str = "other") -> Any:
+        """Pickle-based broadcast (two broadcasts: the size, then the payload); recorded on completion, when
+        every rank knows the payload size."""
+        start = time.perf_counter()
+        box = [obj]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        payload = len(pickle.dumps(box[0])) + 8 if self.world_size > 1 else 0
+        self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
+        self._finish_blocking(tag, start, payload)
+        return box[0]
+
+    def barrier(self, tag: str = "other") -> None:
+        self.stats.record_launch(tag, 0, blocking=True)
+        start = time.perf_counter()
+        if self.world_size > 1:
+            if self._cuda:
+                dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier(group=self.group)
+        self._finish_blocking(tag, start, 0)
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group if it exists (spawned workers abort at exit otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,212 @@
+"""Parameters, buffers and gradients as views of persistent flat buffers.
+
+A sync is then one collective over a contiguous tensor that already exists: no per-sync concatenation of a
+model-sized copy (PyTorch's ``average_parameters`` allocates one with ``torch.cat`` and rebinds every
+``p.data`` at every call) and no collective per small tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class _Group:
+    """All tensors of one (device, dtype): ``state = [params | float buffers]``, ``grads = [grads | scratch]``.
+
+    Gradients live in their own storage so that a checkpoint of the parameters (whose views share ``state``'s
+    storage) does not also serialise the gradients. The scratch tail of ``grads`` receives a copy of the buffers
+    when buffers travel with a gradient sync, so that is one collective too.
+    """
+
+    state: Tensor
+    grads: Tensor
+    params: list[nn.Parameter]
+    param_views: list[Tensor]
+    grad_views: list[Tensor]
+    trainable: list[bool]
+    buffer_numel: int
+    param_numel: int
+    buffer_slots: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def buffers(self) -> Tensor:
+        return self.state[self.param_numel :]
+
+    @property
+    def grad_region(self) -> Tensor:
+        return self.grads[: self.param_numel]
+
+
+class FlatState:
+    """Rebinds a module's parameters and floating-point buffers as views of one buffer per (device, dtype).
+
+    * ``p.data`` becomes a view of ``state``; optimizers keep the same ``Parameter`` objects, and
+      ``load_state_dict`` copies in place, so views survive checkpoint restore.
+    * Floating-point buffers (BatchNorm running statistics) are rebound as views of the tail of ``state``; they
+      are updated in place by their modules. Integer buffers (``num_batches_tracked``) are left alone: they count
+      steps, which synchronous strategies keep equal on every rank.
+    * Gradients of trainable parameters are bound as views of ``grads`` before each backward (see
+      :meth:`bind_grads`), so autograd accumulates into the flat buffer in place.
+
+    Frozen parameters are included in ``state`` (they may be unfrozen later, and a sync must keep them equal)
+    but never receive a gradient view.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        params: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+        for p in module.parameters():
+            if p.is_sparse:
+                raise ValueError("sparse parameters are not supported by lightning_sync strategies")
+            params.setdefault((p.device, p.dtype), []).append(p)
+        buffers: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Module, str, Tensor]]] = {}
+        seen: set[int] = set()
+        for mod in module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is None or not buf.is_floating_point() or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                buffers.setdefault((buf.device, buf.dtype), []).append((mod, name, buf))
+        self.groups: list[_Group] = []
+        for key in list(params) + [k for k in buffers if k not in params]:
+            self.groups.append(self._build(params.get(key, []), buffers.get(key, []), *key))
+
+    @staticmethod
+    def _build(
+        params: list[nn.Parameter],
+        buffers: list[tuple[nn.Module, str, Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> _Group:
+        p_numel = sum(p.numel() for p in params)
+        b_numel = sum(b.numel() for _, _, b in buffers)
+        state = torch.empty(p_numel + b_numel, device=device, dtype=dtype)
+        grads = torch.zeros(p_numel + b_numel, device=device, dtype=dtype)
+        param_views, grad_views, trainable = [], [], []
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                view = state[offset : offset + n].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                param_views.append(view)
+                grad_views.append(grads[offset : offset + n].view_as(p))
+                trainable.append(p.requires_grad)
+                if p.grad is not None:
+                    grad_views[-1].copy_(p.grad)
+                    p.grad = grad_views[-1]
+                offset += n
+            slots = []
+            for mod, name, buf in buffers:
+                n = buf.numel()
+                view = state[offset : offset + n].view_as(buf)
+                view.copy_(buf)
+                mod._buffers[name] = view
+                slots.append((mod, name))
+                offset += n
+        return _Group(state, grads, list(params), param_views, grad_views, trainable, b_numel, p_numel, slots)
+
+    # ------------------------------------------------------------------ views used by the strategies
+    def state_tensors(self) -> list[Tensor]:
+        """``[params | buffers]`` per group: what a parameter sync or the setup broadcast sends."""
+        return [g.state for g in self.groups if g.state.numel()]
+
+    def grad_tensors(self, with_buffers: bool = True) -> list[Tensor]:
+        """``[grads | buffer copy]`` per group (call :meth:`stage_buffers` first when ``with_buffers``)."""
+        if with_buffers:
+            return [g.grads for g in self.groups if g.grads.numel()]
+        return [g.grad_region for g in self.groups if g.param_numel]
+
+    def stage_buffers(self) -> None:
+        """Copy the buffers into the gradient buffer's scratch tail (before a gradient sync)."""
+        for g in self.groups:
+            if g.buffer_numel:
+                g.grads[g.param_numel :].copy_(g.buffers)
+
+    def unstage_buffers(self) -> None:
+        """Copy the synced buffers back from the scratch tail (after a gradient sync)."""
+        for g in self.groups:
+            if g.buffer_numel:
+                g.buffers.copy_(g.grads[g.param_numel :])
+
+    @property
+    def has_buffers(self) -> bool:
+        return any(g.buffer_numel for g in self.groups)
+
+    def numel(self) -> int:
+        return sum(g.state.numel() for g in self.groups)
+
+    def nbytes(self) -> int:
+        return sum(g.state.numel() * g.state.element_size() for g in self.groups)
+
+    # ------------------------------------------------------------------ gradients
+    def bind_grads(self) -> None:
+        """Make every trainable parameter's ``.grad`` a view of the flat gradient buffer.
+
+        ``optimizer.zero_grad()`` (``set_to_none=True`` by default) drops the views; this restores them (zeroed)
+        before the next backward, so autograd accumulates in place. A gradient that was replaced by another
+        tensor is copied into its slot first.
+        """
+        for g in self.groups:
+            zeroed = False
+            for p, view, train in zip(g.params, g.grad_views, g.trainable):
+                if not train:
+                    continue
+                grad = p.grad
+                if grad is None:
+                    if not zeroed:
+                        g.grad_region.zero_()
+                        zeroed = True
+                    p.grad = view
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    p.grad = view
+
+    def grads_bound(self) -> bool:
+        return all(
+            p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+            for g in self.groups
+            for p, v, t in zip(g.params, g.grad_views, g.trainable)
+            if t
+        )
+
+    def grad_sq_norm(self) -> Tensor:
+        """Squared L2 norm of this rank's whole gradient: one fused dot product per group, no per-tensor loop.
+
+        Only valid while the gradients are bound (:meth:`bind_grads` ran before backward); parameters that got
+        no gradient contribute zero.
+        """
+        total: Tensor | None = None
+        for g in self.groups:
+            if g.param_numel:
+                region = g.grad_region
+                sq = torch.dot(region, region).double() if region.is_floating_point() else None
+                if sq is not None:
+                    total = sq if total is None else total + sq.to(total.device)
+        if total is None:
+            return torch.zeros((), dtype=torch.float64)
+        return total
+
+    def checksum(self, tensors: list[Tensor]) -> Tensor:
+        """Two int64 fingerprints of the exact bits of ``tensors`` (order-sensitive), for consistency checks."""
+        out = torch.zeros(2, dtype=torch.int64)
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            flat = t.detach().reshape(-1)
+            if flat.element_size() == 4:
+                bits = flat.view(torch.int32).to(torch.int64)
+            elif flat.element_size() == 2:
+                bits = flat.view(torch.int16).to(torch.int64)
+            elif flat.element_size() == 8:
+                bits = flat.view(torch.int64)
+            else:
+                bits = flat.view(torch.uint8).to(torch.int64)
+            idx = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+            out[0] += bits.sum().cpu()
+            out[1] += ((bits % 1000003) * (idx % 1000033)).sum().cpu()
+        return out

@@ -1,0 +1,17 @@
+"""Lightning strategies: thin glue composing ``lightning_sync.core`` and ``lightning_sync.comm``.
+
+Importing this package registers every strategy name in Lightning's ``StrategyRegistry``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.bsp import BSPStrategy
+from lightning_sync.strategies.selsync import SelSyncStrategy
+
+STRATEGIES: tuple[type[SyncStrategy], ...] = (BSPStrategy, SelSyncStrategy)
+
+for _cls in STRATEGIES:
+    _cls.register_strategies(StrategyRegistry)
+
+__all__ = ["BSPStrategy", "STRATEGIES", "SelSyncStrategy", "SyncStrategy"]

@@ -1,0 +1,351 @@
+"""``SyncStrategy``: the Lightning glue every method in the pack builds on.
+
+A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication:
+
+* the module is **not** wrapped in ``DistributedDataParallel``; its parameters and floating-point buffers become
+  views of persistent flat buffers (:class:`~lightning_sync.comm.FlatState`) and rank 0's values are broadcast
+  at setup so every replica starts identical;
+* the optimizer closure is wrapped so a method acts **after backward and before the update**
+  (:meth:`_after_backward`) and **after the update** (:meth:`_after_update`);
+* every collective — the method's own and Lightning's (``reduce``, ``barrier``, ``broadcast``, ``all_gather``)
+  — goes through one :class:`~lightning_sync.comm.Communicator`, so one :class:`~lightning_sync.comm.CommStats`
+  per rank counts bytes sent, collectives and seconds blocked, and an optional
+  :class:`~lightning_sync.comm.LinkModel` delays each operation as a slower network would;
+* per-rank state (counters, accounting, each method's own) is gathered into the checkpoint and restored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group
+from lightning_sync.core import StepCounter
+
+log = logging.getLogger(__name__)
+
+_CKPT_KEY = "lightning_sync"
+_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
+
+DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
+
+
+class SyncStrategy(DDPStrategy):
+    """Base of every lightning_sync strategy. Subclasses implement :meth:`_after_backward` /
+    :meth:`_after_update` with the helpers :meth:`average_state` and :meth:`average_grads`.
+
+    Args:
+        link: emulate a slower network: a :class:`~lightning_sync.comm.LinkModel` or ``"1gbit,1ms"``. Off by
+            default. Every operation then costs ``latency + bytes / bandwidth`` more (documented as emulation).
+        verify_sync: after every sync, all-gather a checksum of what the sync made identical (parameters and
+            buffers, or gradients) and raise if any rank differs. A test/debug mode; its traffic is tagged
+            ``"verify"`` and kept out of the training totals.
+        start_method: how Lightning launches processes when it launches them (``"spawn"`` by default; ignored
+            under torchrun/SLURM, which start the processes themselves). Other arguments are ``DDPStrategy``'s.
+    """
+
+    strategy_name: ClassVar[str | None] = None
+    strategy_description: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        link: LinkModel | str | None = None,
+        verify_sync: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "spawn",
+    ) -> None:
+        if isinstance(link, str):
+            link = LinkModel.parse(link)
+        if link is not None and not isinstance(link, LinkModel):
+            raise ValueError(f"link must be a LinkModel, a string like '1gbit,1ms', or None; got {link!r}")
+        if not isinstance(verify_sync, bool):
+            raise ValueError(f"verify_sync must be a bool, got {verify_sync!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.link: LinkModel | None = link
+        self.verify_sync = verify_sync
+        self.comm_stats = CommStats()
+        self.step_counter = StepCounter()
+        self._comm: Communicator | None = None
+        self._flat: FlatState | None = None
+        self._restored_state: dict[str, Any] | None = None
+        self._dataloader_transforms: list[DataLoaderTransform] = []
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name and cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description=cls.strategy_description or cls.__doc__ or ""
+            )
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def comm(self) -> Communicator:
+        if self._comm is None:
+            raise RuntimeError(f"{type(self).__name__} has no communicator before setup_environment()")
+        return self._comm
+
+    @property
+    def flat(self) -> FlatState:
+        if self._flat is None:
+            raise RuntimeError(f"{type(self).__name__} has no flat state before setup() while fitting")
+        return self._flat
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._comm = Communicator(self.comm_stats, self.link)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_supported(trainer)
+        super().setup(trainer)
+
+    def _check_supported(self, trainer: pl.Trainer) -> None:
+        """Reject Trainer settings this strategy cannot honour, saying why and what to use instead."""
+        name = type(self).__name__
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(
+                f"{name} does not support manual optimization (automatic_optimization=False): it acts inside the "
+                "optimizer closure Lightning builds for automatic optimization. Use automatic optimization, or "
+                "Lightning's DDPStrategy for manual optimization."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"{name} does not support accumulate_grad_batches={trainer.accumulate_grad_batches} yet: gradient "
+                "statistics and syncs assume one backward per optimizer step. Use a larger batch size instead."
+            )
+        precision = getattr(self.precision_plugin, "precision", None)
+        if precision in ("16-mixed", "16"):
+            raise ValueError(
+                f"{name} does not support precision={precision!r}: float16 AMP hands the strategy gradients that "
+                "are still loss-scaled. Use precision='bf16-mixed' or '32-true'."
+            )
+        if trainer.state.fn == "fit" and self.world_size == 1:
+            rank_zero_warn(
+                f"{name} runs with world size 1: there is no other replica to synchronise with, so it trains "
+                "locally. Use devices>1 or num_nodes>1 to train data-parallel."
+            )
+
+    def configure_ddp(self) -> None:
+        """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
+        assert self.model is not None
+        self._flat = FlatState(self.model)
+        for tensor in self._flat.state_tensors():
+            self.comm.broadcast(tensor, src=0, tag="setup")
+        if self._restored_state is not None:
+            self.load_strategy_state(self._restored_state)
+            self._restored_state = None
+        self._on_flat_ready()
+
+    def _on_flat_ready(self) -> None:
+        """Subclass hook: the flat state exists and replicas are identical (or restored)."""
+
+    # ------------------------------------------------------------------ the step
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._flat is not None:
+            self._flat.bind_grads()
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_sync() -> Any:
+            result = closure()
+            self._after_backward(optimizer)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        self._after_update(optimizer)
+        return output
+
+    def _after_backward(self, optimizer: Optimizer) -> None:
+        """Gradients of this step are ready (flat, bound); the optimizer has not updated yet."""
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        """The optimizer has applied this step's update."""
+
+    # ------------------------------------------------------------------ sync helpers
+    def average_state(self, tag: str = "params") -> None:
+        """Average parameters and floating buffers over all ranks: one all-reduce per flat buffer."""
+        tensors = self.flat.state_tensors()
+        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        if self.verify_sync:
+            self._verify(tensors, "parameters and buffers")
+
+    def average_grads(self, tag: str = "grads") -> None:
+        """Average gradients (and floating buffers, carried in the same buffer): one all-reduce per group."""
+        flat = self.flat
+        flat.stage_buffers()
+        tensors = flat.grad_tensors()
+        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        flat.unstage_buffers()
+        if self.verify_sync:
+            self._verify(tensors, "gradients and buffers")
+
+    def _verify(self, tensors: list[Tensor], what: str) -> None:
+        local = self.flat.checksum(tensors)
+        gathered = self.comm.all_gather(local.to(self._comm_device()), tag="verify").cpu()
+        if not bool((gathered == gathered[0]).all()):
+            raise RuntimeError(
+                f"verify_sync: {what} differ across ranks after a sync at step {self.step_counter.steps} "
+                f"(per-rank checksums {gathered.tolist()})"
+            )
+
+    def _comm_device(self) -> torch.device:
+        return self.root_device if self.comm.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ metrics
+    def sync_metrics(self) -> dict[str, float]:
+        """What :class:`~lightning_sync.callbacks.SyncStats` logs: LSSR, step counts and communication totals."""
+        metrics = {
+            "lssr": self.step_counter.lssr,
+            "local_steps": float(self.step_counter.local_steps),
+            "sync_steps": float(self.step_counter.sync_steps),
+        }
+        metrics.update(self.comm_stats.summary())
+        return metrics
+
+    # ------------------------------------------------------------------ state
+    def strategy_state(self) -> dict[str, Any]:
+        """This rank's state; subclasses extend the dict (``state = super().strategy_state(); state[...] = ...``)."""
+        return {"comm": self.comm_stats.state_dict(), "steps": self.step_counter.state_dict()}
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        self.comm_stats.load_state_dict(state["comm"])
+        self.step_counter.load_state_dict(state["steps"])
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Gather every rank's :meth:`strategy_state` into the one file rank 0 writes."""
+        if self._comm is not None:
+            states = self.comm.all_gather_object(self.strategy_state(), tag="checkpoint")
+            if self.is_global_zero:
+                checkpoint[_CKPT_KEY] = {
+                    "strategy": type(self).__name__,
+                    "world_size": self.world_size,
+                    "ranks": states,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(_CKPT_KEY)
+        if saved is None:
+            rank_zero_warn(
+                f"{checkpoint_path} holds no lightning_sync strategy state: {type(self).__name__} starts its "
+                "counters, accounting and method state fresh."
+            )
+            return checkpoint
+        if saved["strategy"] != type(self).__name__:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} was written by {saved['strategy']}; resume it with that strategy "
+                f"(this run uses {type(self).__name__})"
+            )
+        if saved["world_size"] != self.world_size:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} holds per-rank state for world size {saved['world_size']}; this run "
+                f"has world size {self.world_size}. Resume with the same number of processes."
+            )
+        self._restored_state = saved["ranks"][self.global_rank]
+        if self._flat is not None:  # restoring after setup (restore_checkpoint_after_setup)
+            self.load_strategy_state(self._restored_state)
+            self._restored_state = None
+        return checkpoint
+
+    # ------------------------------------------------------------------ Lightning's own collectives
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if not isinstance(tensor, Tensor) or self._comm is None or group is not None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if isinstance(reduce_op, str):
+            op = _REDUCE_OPS.get(reduce_op.lower())
+        elif reduce_op is None:
+            op = "sum"
+        else:
+            op = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}.get(reduce_op)
+        if op is None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if op == "avg" and not tensor.is_floating_point():
+            self.comm.all_reduce(tensor, op="sum", tag="lightning")
+            return tensor.copy_(tensor / self.world_size)
+        self.comm.all_reduce(tensor, op=op, tag="lightning")
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._comm is None:
+            return super().barrier(*args, **kwargs)
+        self.comm.barrier(tag="lightning")
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._comm is None:
+            return super().broadcast(obj, src)
+        return self.comm.broadcast_object(obj, src=src, tag="lightning")
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self._comm is None or group is not None:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if sync_grads:
+            return self.comm.all_gather_differentiable(tensor, tag="lightning")
+        return self.comm.all_gather(tensor, tag="lightning")
+
+    # ------------------------------------------------------------------ data
+    def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:
+        """Register a transform applied to the *training* dataloader after Lightning prepared it (SelDP uses
+        this to swap Lightning's DistributedSampler for its own)."""
+        if transform not in self._dataloader_transforms:
+            self._dataloader_transforms.append(transform)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            for transform in self._dataloader_transforms:
+                dataloader = transform(dataloader, self)
+        return dataloader
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        self._flat = None
+        self._comm = None
+        super().teardown()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            # A spawned worker whose gloo group is alive at exit aborts about half the time (shared note).
+            destroy_default_group()

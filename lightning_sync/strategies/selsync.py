@@ -1,0 +1,141 @@
+"""SelSync: selective synchronization (Tyagi & Swany, §III, Alg. 1, Eq. 2 and 4)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_sync.comm import CommHandle
+from lightning_sync.core import GradientChangeTracker, wants_sync
+from lightning_sync.strategies.base import SyncStrategy
+
+Aggregation = Literal["parameters", "gradients"]
+
+
+class SelSyncStrategy(SyncStrategy):
+    r"""Synchronise only the steps whose gradients changed significantly; apply the others locally.
+
+    Per step (Alg. 1), on every rank:
+
+    1. after backward, the squared norm of the local gradient (one fused dot product over the flat gradient
+       buffer) feeds a :class:`~lightning_sync.core.GradientChangeTracker`: EWMA over ``window`` steps with factor
+       ``smoothing``, relative change :math:`\Delta(g_i)` of Eq. 2;
+    2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one 4-byte all-reduce sums the votes
+       (line 12 — the paper all-gathers an N-bit array; a sum carries the same "any" plus the voter count);
+    3. ``aggregation="parameters"`` (default, lines 9 and 13-15): the optimizer applies the local update, then, if
+       any rank voted, parameters and buffers are averaged (one all-reduce). The vote's all-reduce is launched
+       asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
+       ``aggregation="gradients"``: if any rank voted, gradients (and buffers) are averaged before the update.
+
+    :math:`\delta=0` syncs every step: with parameter aggregation and identical replicas this is BSP (for SGD
+    with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
+    ranks' momentum buffers follows BSP's momentum recursion). The first step has no previous smoothed norm, so
+    no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
+    every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 4-byte votes travel.
+
+    Args:
+        delta: threshold :math:`\delta \ge 0` on the relative gradient change (``float('inf')`` allowed).
+        window: EWMA window in steps (paper: 25), an integer >= 1.
+        smoothing: EWMA factor in (0, 1]; ``None`` uses the paper's :math:`N/100` for world size N (capped at 1).
+        aggregation: ``"parameters"`` (the paper's recommendation) or ``"gradients"``.
+        **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
+    """
+
+    strategy_name = "selsync"
+    strategy_description = "SelSync: sync when any rank's relative gradient change >= delta, else a local step"
+
+    def __init__(
+        self,
+        delta: float = 0.3,
+        window: int = 25,
+        smoothing: float | None = None,
+        aggregation: Aggregation = "parameters",
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or math.isnan(delta) or delta < 0:
+            raise ValueError(f"delta must be a number >= 0 (inf allowed), got {delta!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if smoothing is not None and (
+            isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < smoothing <= 1.0
+        ):
+            raise ValueError(f"smoothing must be in (0, 1] or None (N/100), got {smoothing!r}")
+        if aggregation not in ("parameters", "gradients"):
+            raise ValueError(f"aggregation must be 'parameters' or 'gradients', got {aggregation!r}")
+        super().__init__(**kwargs)
+        self.delta = float(delta)
+        self.window = window
+        self.smoothing = smoothing
+        self.aggregation: Aggregation = aggregation
+        self.tracker: GradientChangeTracker | None = None
+        self.last_delta = 0.0
+        self.last_voters = 0
+        self._vote: torch.Tensor | None = None
+        self._pending_vote: CommHandle | None = None
+
+    @property
+    def effective_smoothing(self) -> float:
+        if self.smoothing is not None:
+            return float(self.smoothing)
+        return min(1.0, self.world_size / 100.0)
+
+    def _on_flat_ready(self) -> None:
+        if self.tracker is None:  # else restored from a checkpoint by load_strategy_state
+            self.tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
+        self._vote = torch.zeros(1, dtype=torch.float32, device=self._comm_device())
+
+    # ------------------------------------------------------------------ Alg. 1
+    def _after_backward(self, optimizer: Optimizer) -> None:
+        assert self.tracker is not None and self._vote is not None
+        sq_norm = float(self.flat.grad_sq_norm())
+        self.last_delta = self.tracker.update(sq_norm)
+        self._vote.fill_(1.0 if wants_sync(self.last_delta, self.delta) else 0.0)
+        handle = self.comm.all_reduce(self._vote, op="sum", tag="vote", async_op=True)
+        if self.aggregation == "gradients":
+            synced = self._resolve_vote(handle)
+            if synced:
+                self.average_grads(tag="grads")
+            self.step_counter.record(synced)
+        else:
+            self._pending_vote = handle
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        if self.aggregation != "parameters":
+            return
+        handle, self._pending_vote = self._pending_vote, None
+        if handle is None:  # the optimizer skipped the closure (e.g. a skipped step): nothing to decide
+            return
+        synced = self._resolve_vote(handle)
+        if synced:
+            self.average_state(tag="params")
+        self.step_counter.record(synced)
+
+    def _resolve_vote(self, handle: CommHandle) -> bool:
+        handle.wait()
+        assert self._vote is not None
+        self.last_voters = int(self._vote.item())
+        return self.last_voters > 0
+
+    # ------------------------------------------------------------------ metrics and state
+    def sync_metrics(self) -> dict[str, float]:
+        metrics = super().sync_metrics()
+        metrics["delta"] = self.last_delta
+        metrics["voters"] = float(self.last_voters)
+        return metrics
+
+    def strategy_state(self) -> dict[str, Any]:
+        state = super().strategy_state()
+        state["tracker"] = self.tracker.state_dict() if self.tracker is not None else None
+        state["last_delta"] = self.last_delta
+        return state
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state(state)
+        self.last_delta = float(state["last_delta"])
+        if state.get("tracker") is not None:
+            tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
+            tracker.load_state_dict(state["tracker"])
+            self.tracker = tracker
