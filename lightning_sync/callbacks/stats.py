@@ -13,7 +13,8 @@ from lightning_sync.strategies.base import SyncStrategy
 class SyncStats(Callback):
     """Logs a lightning_sync strategy's :meth:`~lightning_sync.strategies.SyncStrategy.sync_metrics`.
 
-    Every ``log_every_n_steps`` training steps (the Trainer's value by default) it logs, under ``prefix``:
+    Every ``log_every_n_steps`` training steps (the Trainer's value by default), at the first step, the last
+    batch of each epoch and the final step it logs, under ``prefix``:
 
     ========================  =================================================================================
     ``lssr``                  local-to-synchronous step ratio, Eq. 4 of SelSync: local / (local + sync)
@@ -65,5 +66,7 @@ class SyncStats(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every == 0 or trainer.is_last_batch:
+        step = trainer.global_step
+        final = trainer.max_steps != -1 and step >= trainer.max_steps
+        if step % every == 0 or step == 1 or trainer.is_last_batch or final:
             self._log(trainer, pl_module)

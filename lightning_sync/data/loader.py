@@ -11,6 +11,7 @@ resumed epoch restarts the loader from its first batch (and stops after the numb
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -28,10 +29,13 @@ class _SkipFirstIndices:
 
     def __init__(self, base: Iterable[Any], loader: ResumableDataLoader) -> None:
         self.base = base
-        self.loader = loader
+        # weak: a persistent-workers iterator keeps this proxy, and a loader <-> iterator reference cycle
+        # would leave the worker shutdown to the cyclic GC, where it times out (measured: 10 s per loader)
+        self._loader = weakref.ref(loader)
 
     def __iter__(self) -> Iterator[Any]:
-        skip = self.loader._index_skip
+        loader = self._loader()
+        skip = loader._index_skip if loader is not None else 0
         it = iter(self.base)
         return itertools.islice(it, skip, None) if skip else it
 

@@ -11,7 +11,8 @@ A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication
   — goes through one :class:`~lightning_sync.comm.Communicator`, so one :class:`~lightning_sync.comm.CommStats`
   per rank counts bytes sent, collectives and seconds blocked, and an optional
   :class:`~lightning_sync.comm.LinkModel` delays each operation as a slower network would;
-* per-rank state (counters, accounting, each method's own) is gathered into the checkpoint and restored.
+* per-rank state (counters, accounting, each method's own; each rank's model and optimizer state when replicas
+  can differ) is written beside the checkpoint by every rank and restored to the same trajectory.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -62,6 +63,9 @@ class SyncStrategy(DDPStrategy):
 
     strategy_name: ClassVar[str | None] = None
     strategy_description: ClassVar[str] = ""
+    #: Whether replicas (parameters, optimizer state) can differ between ranks, so a checkpoint must hold
+    #: every rank's own model and optimizer state rather than rank 0's.
+    replicas_diverge: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -108,6 +112,16 @@ class SyncStrategy(DDPStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description=cls.strategy_description or cls.__doc__ or ""
             )
+
+    def _configure_launcher(self) -> None:
+        """Under torchrun, SLURM or any launcher that starts the processes itself (``LOCAL_RANK`` set), launch
+        nothing whatever ``start_method`` says; Lightning's ``DDPStrategy`` would spawn again inside each process.
+        So ``strategy="selsync"`` goes multi-node by configuration alone."""
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            super()._configure_launcher()
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -250,18 +264,33 @@ class SyncStrategy(DDPStrategy):
         self.comm_stats.load_state_dict(state["comm"])
         self.step_counter.load_state_dict(state["steps"])
 
+    @staticmethod
+    def rank_file(filepath: Any, rank: int) -> str:
+        """Where ``rank``'s part of the checkpoint ``filepath`` lives (written beside it)."""
+        return f"{filepath}.rank{rank}"
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Gather every rank's :meth:`strategy_state` into the one file rank 0 writes."""
-        if self._comm is not None:
-            states = self.comm.all_gather_object(self.strategy_state(), tag="checkpoint")
-            if self.is_global_zero:
-                checkpoint[_CKPT_KEY] = {
-                    "strategy": type(self).__name__,
-                    "world_size": self.world_size,
-                    "ranks": states,
-                }
+        """Write this rank's part beside the checkpoint, then (after every rank has) rank 0 writes the file.
+
+        Each rank's part holds its :meth:`strategy_state` and, when :attr:`replicas_diverge`, its own model and
+        optimizer state (local steps make replicas and momentum buffers differ; Lightning saves rank 0's only).
+        The main file is written last, so it exists only if every part does, and it records the world size.
+        """
+        if self._comm is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        part: dict[str, Any] = {"strategy_state": self.strategy_state()}
+        if self.replicas_diverge:
+            part["state_dict"] = checkpoint.get("state_dict")
+            part["optimizer_states"] = checkpoint.get("optimizer_states")
+        self.checkpoint_io.save_checkpoint(part, self.rank_file(filepath, self.global_rank))
+        self.comm.barrier(tag="checkpoint")
+        checkpoint[_CKPT_KEY] = {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "per_rank_model": self.replicas_diverge,
+        }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -270,7 +299,7 @@ class SyncStrategy(DDPStrategy):
         if saved is None:
             rank_zero_warn(
                 f"{checkpoint_path} holds no lightning_sync strategy state: {type(self).__name__} starts its "
-                "counters, accounting and method state fresh."
+                "counters, accounting and method state fresh, and every rank loads rank 0's weights."
             )
             return checkpoint
         if saved["strategy"] != type(self).__name__:
@@ -283,11 +312,30 @@ class SyncStrategy(DDPStrategy):
                 f"checkpoint {checkpoint_path} holds per-rank state for world size {saved['world_size']}; this run "
                 f"has world size {self.world_size}. Resume with the same number of processes."
             )
-        self._restored_state = saved["ranks"][self.global_rank]
+        part_path = self.rank_file(checkpoint_path, self.global_rank)
+        try:
+            part = self.checkpoint_io.load_checkpoint(part_path, weights_only=weights_only)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint_path} is incomplete: rank {self.global_rank}'s part {part_path} is missing "
+                "(each rank's state is written beside the file; copy the .rankN files along with it)"
+            ) from err
+        if saved.get("per_rank_model"):
+            checkpoint["state_dict"] = part["state_dict"]
+            checkpoint["optimizer_states"] = part["optimizer_states"]
+        self._restored_state = part["strategy_state"]
         if self._flat is not None:  # restoring after setup (restore_checkpoint_after_setup)
             self.load_strategy_state(self._restored_state)
             self._restored_state = None
         return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        part = self.rank_file(filepath, self.global_rank)
+        try:
+            self.checkpoint_io.remove_checkpoint(part)
+        except FileNotFoundError:
+            pass
 
     # ------------------------------------------------------------------ Lightning's own collectives
     def reduce(

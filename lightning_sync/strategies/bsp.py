@@ -19,6 +19,7 @@ class BSPStrategy(SyncStrategy):
 
     strategy_name = "bsp"
     strategy_description = "Bulk-synchronous parallel: gradient all-reduce every step, counted by lightning_sync"
+    replicas_diverge = False  # identical gradients every step keep parameters and momentum identical
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         self.average_grads(tag="grads")

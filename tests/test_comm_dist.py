@@ -1,0 +1,140 @@
+"""The Communicator over a real 2-process gloo group (torch.multiprocessing, no Lightning).
+
+One spawn runs every check; each worker returns its observations through a file and the parent asserts.
+"""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel
+from lightning_sync.comm.cost import gloo_ring_allreduce_bytes
+
+WORLD = 2
+DELAY_LINK = LinkModel(bandwidth="100mbit", latency="5ms")
+NUMEL = 250_000  # 1 MB of float32: 80 ms at 100 Mbit/s, + 5 ms latency
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    res: dict = {}
+    try:
+        # 1. accounting of a plain all-reduce and correctness of avg
+        stats = CommStats()
+        comm = Communicator(stats)
+        t = torch.full((1001,), float(rank + 1))
+        comm.all_reduce(t, op="avg", tag="params")
+        res["avg_ok"] = bool((t == 1.5).all())
+        res["bytes_params"] = stats.bytes_sent["params"]
+        res["blocking"] = stats.blocking["params"]
+
+        # 2. a parameter sync of a model through its flat buffer: bytes equal the analytic count
+        torch.manual_seed(rank)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 10))
+        flat = FlatState(net)
+        stats2 = CommStats()
+        comm2 = Communicator(stats2)
+        comm2.all_reduce_many(flat.state_tensors(), op="avg", tag="params")
+        res["model_numel"] = flat.numel()
+        res["model_bytes_params"] = stats2.bytes_sent["params"]
+        res["model_ops"] = stats2.ops["params"]
+        res["checksum"] = flat.checksum(flat.state_tensors()).tolist()
+
+        # 3. link emulation on a blocking collective: added delay = latency + bytes / bandwidth
+        big = torch.ones(NUMEL)
+        plain = Communicator(CommStats())
+        plain.barrier()
+        t0 = time.perf_counter()
+        plain.all_reduce(big, tag="x")
+        res["plain_s"] = time.perf_counter() - t0
+        slow_stats = CommStats()
+        slow = Communicator(slow_stats, link=DELAY_LINK)
+        plain.barrier()
+        t0 = time.perf_counter()
+        slow.all_reduce(big, tag="x")
+        res["emulated_s"] = time.perf_counter() - t0
+        res["emulated_bytes"] = slow_stats.bytes_sent["x"]
+        res["emulated_blocked_s"] = slow_stats.blocked_seconds["x"]
+
+        # 4. an async handle under emulation completes after work launched after it has started
+        events = []
+        plain.barrier()
+        launch = time.perf_counter()
+        handle = slow.all_reduce(big, tag="async", async_op=True)
+        events.append(("launched", time.perf_counter() - launch))
+        compute_start = time.perf_counter()
+        events.append(("compute_start", compute_start - launch))
+        a = torch.randn(200, 200)
+        while time.perf_counter() - compute_start < 0.03:  # 30 ms of real compute while the handle is in flight
+            a = torch.tanh(a @ a.T / 200)
+        events.append(("compute_end", time.perf_counter() - launch))
+        res["completed_before_wait"] = handle.is_completed()
+        handle.wait()
+        events.append(("handle_complete", handle.completed_at - launch))
+        res["events"] = events
+        res["async_blocked_s"] = slow_stats.blocked_seconds["async"]
+        res["async_blocking"] = slow_stats.blocking["async"]
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("comm")
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_all_reduce_average_and_accounting(results):
+    for r in results:
+        assert r["avg_ok"]
+        assert r["bytes_params"] == gloo_ring_allreduce_bytes(1001, 4, WORLD, 0) == 1001 * 4
+        assert r["blocking"] == 1
+
+
+def test_parameter_sync_bytes_equal_analytic_count(results):
+    # params + BatchNorm running mean/var, float32, one all-reduce; ring on 2 ranks sends the buffer once
+    numel = (64 * 32 + 32) + (32 + 32) + (32 * 10 + 10) + (32 + 32)
+    for r in results:
+        assert r["model_numel"] == numel
+        assert r["model_ops"] == 1
+        assert r["model_bytes_params"] == 2 * (WORLD - 1) * numel * 4 // WORLD
+    assert results[0]["checksum"] == results[1]["checksum"]  # bit-identical after the average
+
+
+def test_link_emulation_adds_latency_plus_bytes_over_bandwidth(results):
+    expected = DELAY_LINK.delay(NUMEL * 4)
+    assert expected == pytest.approx(0.085)
+    for r in results:
+        assert r["emulated_bytes"] == NUMEL * 4
+        added = r["emulated_s"] - r["plain_s"]
+        assert added == pytest.approx(expected, abs=0.02)  # sleep jitter and loopback noise
+        assert r["emulated_blocked_s"] >= expected
+
+
+def test_async_handle_overlaps_later_work_under_emulation(results):
+    expected = DELAY_LINK.delay(NUMEL * 4)
+    for r in results:
+        ev = dict(r["events"])
+        order = [name for name, _ in sorted(r["events"], key=lambda e: e[1])]
+        assert order == ["launched", "compute_start", "compute_end", "handle_complete"]
+        assert not r["completed_before_wait"]  # 30 ms of compute < 85 ms of emulated transfer
+        assert ev["handle_complete"] >= expected
+        # only the part of the transfer not hidden behind compute was spent blocked
+        assert r["async_blocked_s"] < expected - 0.02
+        assert r["async_blocking"] == 0

@@ -1,0 +1,231 @@
+"""BSP and SelSync trained with Lightning on 2 CPU processes (gloo).
+
+The processes are started once for the whole module, torchrun-style (``tests/launch.py``), and each runs
+several ``Trainer.fit`` calls; every rank writes what it observed and the tests below assert on it. The real
+Lightning spawn launcher (``Trainer(strategy="selsync")`` by name) and the CLI are covered in test_launch.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import run_external
+
+K = 12  # steps for the equivalence runs
+DELTA_MIXED = 0.05  # with the paper's smoothing (N/100, window 25) the digits CNN syncs some steps, not all
+WORLD = 2
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _trainer(strategy, max_steps, callbacks=(), **kw):
+    import lightning.pytorch as pl
+
+    kw.setdefault("enable_checkpointing", False)
+    kw.setdefault("limit_val_batches", 0)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=list(callbacks),
+        **kw,
+    )
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _suite(rank: int, out_dir: str) -> None:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_sync import BSPStrategy, SelSyncStrategy
+    from lightning_sync.callbacks import SelDP, SyncStats
+    from lightning_sync.data import DigitsDataModule, SelDPSampler
+    from lightning_sync.models import DigitsCNN
+
+    out = Path(out_dir)
+    res: dict = {}
+
+    class ChecksumProbe(Callback):
+        """After every step, all-gather (plain torch.distributed, not the strategy's code) a checksum of the
+        exact bits of parameters and buffers; record whether ranks agree, and whether the step synced."""
+
+        def __init__(self):
+            self.rows = []
+            self._last_sync = 0
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            tensors = [t.detach().reshape(-1) for t in pl_module.state_dict().values() if t.is_floating_point()]
+            bits = torch.cat(tensors).view(torch.int32).to(torch.int64)
+            local = torch.stack([bits.sum(), (bits * torch.arange(1, bits.numel() + 1)).sum()])
+            gathered = [torch.zeros_like(local) for _ in range(WORLD)]
+            dist.all_gather(gathered, local)
+            synced = trainer.strategy.step_counter.sync_steps > self._last_sync
+            self._last_sync = trainer.strategy.step_counter.sync_steps
+            self.rows.append([bool(synced), all(torch.equal(g, gathered[0]) for g in gathered)])
+
+    def fit(name, strategy, max_steps=K, callbacks=(), dm=None, model=None, ckpt_path=None, **kw):
+        pl.seed_everything(0)
+        model = model or DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
+        trainer = _trainer(strategy, max_steps, callbacks, **kw)
+        trainer.fit(model, dm or DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+        torch.save(_params(model), out / f"{name}_rank{rank}.pt")
+        return trainer, model
+
+    # 1. equivalence: Lightning's ddp, our BSP, SelSync delta=0 (parameter and gradient aggregation)
+    fit("ddp", DDPStrategy())
+    tr, _ = fit("bsp", BSPStrategy(verify_sync=True))
+    res["bsp"] = tr.strategy.sync_metrics()
+    tr, _ = fit("sel0", SelSyncStrategy(delta=0.0, verify_sync=True))
+    res["sel0"] = tr.strategy.sync_metrics()
+    fit("sel0ga", SelSyncStrategy(delta=0.0, aggregation="gradients"))
+
+    # 2. a delta above every Delta: purely local, only votes travel
+    probe = ChecksumProbe()
+    tr, _ = fit("large", SelSyncStrategy(delta=1e9), callbacks=[probe, SyncStats()])
+    res["large"] = tr.strategy.sync_metrics()
+    if rank == 0:  # loggers and callback_metrics are rank 0's
+        res["large_logged_lssr"] = float(tr.callback_metrics["sync/lssr"])
+    res["large_probe"] = probe.rows
+
+    # 3. a mix of local and sync steps: bit-identical replicas after every sync (independent probe)
+    for agg in ("parameters", "gradients"):
+        probe = ChecksumProbe()
+        tr, _ = fit(f"mixed_{agg}", SelSyncStrategy(delta=DELTA_MIXED, aggregation=agg, verify_sync=True),
+                    max_steps=40, callbacks=[probe])
+        res[f"mixed_{agg}"] = tr.strategy.sync_metrics()
+        res[f"mixed_{agg}_probe"] = probe.rows
+
+    # 4. checkpoint mid-epoch and resume: same LSSR, tracker state and parameters as an uninterrupted run
+    ckpt_dir = out / "ckpt"
+    mc = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=10, save_top_k=-1, filename="{step}")
+    tr, _ = fit("full", SelSyncStrategy(delta=DELTA_MIXED), max_steps=30, callbacks=[mc], enable_checkpointing=True)
+    res["full"] = tr.strategy.sync_metrics()
+    res["full_tracker"] = tr.strategy.tracker.state_dict()
+    res["steps_per_epoch"] = tr.num_training_batches
+    dist.barrier()
+    mc2 = ModelCheckpoint(dirpath=out / "ckpt2", every_n_train_steps=10, save_top_k=-1, filename="{step}")
+    tr, _ = fit("resumed", SelSyncStrategy(delta=DELTA_MIXED), max_steps=30, callbacks=[mc2],
+                enable_checkpointing=True, ckpt_path=str(ckpt_dir / "step=10.ckpt"))
+    res["resumed"] = tr.strategy.sync_metrics()
+    res["resumed_tracker"] = tr.strategy.tracker.state_dict()
+
+    # 5. SelDP through the callback: the training sampler is swapped, an epoch is N times longer, val untouched
+    dm = DigitsDataModule(batch_size=32)
+    tr, _ = fit("seldp", SelSyncStrategy(delta=DELTA_MIXED), max_steps=3, callbacks=[SelDP()], dm=dm,
+                limit_val_batches=2, val_check_interval=2)
+    res["seldp_sampler"] = type(tr.train_dataloader.sampler).__name__
+    res["seldp_val_sampler"] = type(tr.val_dataloaders.sampler).__name__
+    res["seldp_steps_per_epoch"] = tr.num_training_batches
+    res["seldp_expected"] = math.ceil(len(SelDPSampler(dm.train_dataset, num_replicas=WORLD, rank=rank)) / 32)
+
+    (out / f"res_rank{rank}.json").write_text(json.dumps(res))
+
+
+# ----------------------------------------------------------------------------------------------- parent side
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("strategies")
+    run_external(_suite, WORLD, str(out))
+    res = [json.loads((out / f"res_rank{r}.json").read_text()) for r in range(WORLD)]
+
+    def params(name, rank=0):
+        return torch.load(out / f"{name}_rank{rank}.pt")
+
+    return res, params
+
+
+def _max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_bsp_matches_lightning_ddp(suite):
+    res, params = suite
+    assert _max_diff(params("bsp"), params("ddp")) < 1e-6
+    assert res[0]["bsp"]["lssr"] == 0.0 and res[0]["bsp"]["sync_steps"] == K
+
+
+def test_selsync_delta_zero_is_bsp(suite):
+    res, params = suite
+    assert _max_diff(params("sel0"), params("bsp")) < 1e-6
+    assert _max_diff(params("sel0ga"), params("bsp")) < 1e-6
+    assert res[0]["sel0"]["sync_steps"] == K and res[0]["sel0"]["lssr"] == 0.0
+
+
+def test_replicas_identical_after_sync_in_bsp(suite):
+    _, params = suite
+    for name in ("bsp", "sel0"):
+        assert _max_diff(params(name, 0), params(name, 1)) == 0.0
+
+
+def test_large_delta_is_local_only(suite):
+    res, params = suite
+    for r in res:
+        m = r["large"]
+        assert m["sync_steps"] == 0 and m["local_steps"] == K
+        assert m["lssr"] == 1.0  # 1 minus first-step syncs: the first step's Delta is 0, so none
+        assert m.get("bytes_params", 0.0) == 0.0 and m.get("bytes_grads", 0.0) == 0.0
+        assert m["bytes_vote"] == 4 * K  # one 4-byte vote all-reduce per step (2 ranks: ring sends it once)
+        assert not any(equal for _, equal in r["large_probe"])  # replicas drift apart from the first step
+    assert res[0]["large_logged_lssr"] == 1.0  # what SyncStats logged through Lightning
+    assert _max_diff(params("large", 0), params("large", 1)) > 1e-4
+
+
+@pytest.mark.parametrize("agg", ["parameters", "gradients"])
+def test_mixed_run_syncs_some_steps_and_replicas_agree_after_each_sync(suite, agg):
+    res, _ = suite
+    m = res[0][f"mixed_{agg}"]
+    assert 0 < m["sync_steps"] < 40 and 0 < m["local_steps"] < 40
+    assert m["lssr"] == pytest.approx(m["local_steps"] / (m["local_steps"] + m["sync_steps"]))
+    rows = res[0][f"mixed_{agg}_probe"]
+    assert sum(s for s, _ in rows) == m["sync_steps"]
+    if agg == "parameters":
+        # after every parameter sync all ranks hold bit-identical parameters and buffers
+        assert all(equal for synced, equal in rows if synced)
+        assert not all(equal for synced, equal in rows if not synced)
+    # each sync moved exactly one flat buffer: bytes equal the analytic count for 2 ranks (the buffer, once)
+    from lightning_sync.models import DigitsCNN
+
+    model = DigitsCNN()
+    numel = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for b in model.buffers() if b.is_floating_point()
+    )
+    key = "bytes_params" if agg == "parameters" else "bytes_grads"
+    assert m[key] == m["sync_steps"] * 4 * numel
+    for k in ("sync_steps", "local_steps", key, "bytes_vote"):  # decisions are global: every rank agrees
+        assert res[0][f"mixed_{agg}"][k] == res[1][f"mixed_{agg}"][k]
+
+
+def test_resume_mid_epoch_restores_selsync_state(suite):
+    res, params = suite
+    assert res[0]["steps_per_epoch"] > 10  # step 10 is mid-epoch
+    for r in res:
+        assert r["resumed"]["lssr"] == r["full"]["lssr"]
+        assert r["resumed"]["sync_steps"] == r["full"]["sync_steps"]
+        assert r["resumed_tracker"] == r["full_tracker"]
+        for tag in ("bytes_params", "bytes_vote"):
+            assert r["resumed"].get(tag) == r["full"].get(tag)
+    for rank in range(WORLD):
+        assert _max_diff(params("resumed", rank), params("full", rank)) == 0.0
+
+
+def test_seldp_callback_swaps_training_sampler_only(suite):
+    res, _ = suite
+    for r in res:
+        assert r["seldp_sampler"] == "SelDPSampler"
+        assert r["seldp_val_sampler"] == "DistributedSampler"
+        assert r["seldp_steps_per_epoch"] == r["seldp_expected"]
+        assert r["seldp_steps_per_epoch"] >= WORLD * (r["steps_per_epoch"] - 1)
