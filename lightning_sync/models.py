@@ -75,7 +75,9 @@ class DigitsCNN(_Classifier):
             nn.ReLU(),
             nn.MaxPool2d(2),
         )
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * c * 16, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * c * 16, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:

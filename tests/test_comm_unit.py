@@ -104,7 +104,7 @@ def test_flat_state_views_and_grads():
         expected = sum(p.grad.pow(2).sum() for p in net.parameters() if p.grad is not None)
         assert float(flat.grad_sq_norm()) == pytest.approx(float(expected), rel=1e-5)
         opt.step()
-    assert torch.equal(group.state[n_params:n_params + 4], net.bn.running_mean)
+    assert torch.equal(group.state[n_params : n_params + 4], net.bn.running_mean)
     assert net.frozen.grad is None  # frozen parameters never receive a gradient view
     # an optimizer step writes through the views
     w = net.conv.weight
@@ -117,8 +117,8 @@ def test_stage_buffers_roundtrip_and_checksum():
     flat = FlatState(net)
     flat.stage_buffers()
     (group,) = flat.groups
-    assert torch.equal(group.grads[group.param_numel:], group.buffers)
-    group.grads[group.param_numel:].fill_(3.0)
+    assert torch.equal(group.grads[group.param_numel :], group.buffers)
+    group.grads[group.param_numel :].fill_(3.0)
     flat.unstage_buffers()
     assert bool((net.bn.running_var == 3.0).all())
     a = flat.checksum(flat.state_tensors())

@@ -81,8 +81,15 @@ def test_state_dict_resumes_same_trajectory():
         GradientChangeTracker(window=24, smoothing=0.02).load_state_dict(b.state_dict())
 
 
-@pytest.mark.parametrize("kwargs,name", [({"window": 0}, "window"), ({"window": 2.5}, "window"),
-                                         ({"smoothing": 0.0}, "smoothing"), ({"smoothing": 1.5}, "smoothing")])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"window": 0}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"smoothing": 0.0}, "smoothing"),
+        ({"smoothing": 1.5}, "smoothing"),
+    ],
+)
 def test_tracker_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         GradientChangeTracker(**kwargs)

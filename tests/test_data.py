@@ -214,9 +214,7 @@ def _fit_recording(tmp_path, ckpt_path=None, save=False, limit_train_batches=Non
 
         def train_dataloader(self):
             ds = TensorDataset(torch.arange(22))
-            return ResumableDataLoader(
-                ds, batch_size=4, sampler=SelDPSampler(ds, num_replicas=1, rank=0, seed=7)
-            )
+            return ResumableDataLoader(ds, batch_size=4, sampler=SelDPSampler(ds, num_replicas=1, rank=0, seed=7))
 
     callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)] if save else []
     trainer = pl.Trainer(
@@ -249,9 +247,7 @@ def test_lightning_mid_epoch_resume(tmp_path, limit_train_batches) -> None:
         (ckpt,) = list(tmp_path.glob(f"*-step={step}.ckpt"))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            resumed = _fit_recording(
-                tmp_path / "resumed", ckpt_path=str(ckpt), limit_train_batches=limit_train_batches
-            )
+            resumed = _fit_recording(tmp_path / "resumed", ckpt_path=str(ckpt), limit_train_batches=limit_train_batches)
         assert resumed == full[step:], f"resume from step {step}"
         assert not [w for w in caught if "not resumable" in str(w.message)]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_external
 
 K = 12  # steps for the equivalence runs
@@ -104,8 +103,12 @@ def _suite(rank: int, out_dir: str) -> None:
     # 3. a mix of local and sync steps: bit-identical replicas after every sync (independent probe)
     for agg in ("parameters", "gradients"):
         probe = ChecksumProbe()
-        tr, _ = fit(f"mixed_{agg}", SelSyncStrategy(delta=DELTA_MIXED, aggregation=agg, verify_sync=True),
-                    max_steps=40, callbacks=[probe])
+        tr, _ = fit(
+            f"mixed_{agg}",
+            SelSyncStrategy(delta=DELTA_MIXED, aggregation=agg, verify_sync=True),
+            max_steps=40,
+            callbacks=[probe],
+        )
         res[f"mixed_{agg}"] = tr.strategy.sync_metrics()
         res[f"mixed_{agg}_probe"] = probe.rows
 
@@ -118,15 +121,28 @@ def _suite(rank: int, out_dir: str) -> None:
     res["steps_per_epoch"] = tr.num_training_batches
     dist.barrier()
     mc2 = ModelCheckpoint(dirpath=out / "ckpt2", every_n_train_steps=10, save_top_k=-1, filename="{step}")
-    tr, _ = fit("resumed", SelSyncStrategy(delta=DELTA_MIXED), max_steps=30, callbacks=[mc2],
-                enable_checkpointing=True, ckpt_path=str(ckpt_dir / "step=10.ckpt"))
+    tr, _ = fit(
+        "resumed",
+        SelSyncStrategy(delta=DELTA_MIXED),
+        max_steps=30,
+        callbacks=[mc2],
+        enable_checkpointing=True,
+        ckpt_path=str(ckpt_dir / "step=10.ckpt"),
+    )
     res["resumed"] = tr.strategy.sync_metrics()
     res["resumed_tracker"] = tr.strategy.tracker.state_dict()
 
     # 5. SelDP through the callback: the training sampler is swapped, an epoch is N times longer, val untouched
     dm = DigitsDataModule(batch_size=32)
-    tr, _ = fit("seldp", SelSyncStrategy(delta=DELTA_MIXED), max_steps=3, callbacks=[SelDP()], dm=dm,
-                limit_val_batches=2, val_check_interval=2)
+    tr, _ = fit(
+        "seldp",
+        SelSyncStrategy(delta=DELTA_MIXED),
+        max_steps=3,
+        callbacks=[SelDP()],
+        dm=dm,
+        limit_val_batches=2,
+        val_check_interval=2,
+    )
     res["seldp_sampler"] = type(tr.train_dataloader.sampler).__name__
     res["seldp_val_sampler"] = type(tr.val_dataloaders.sampler).__name__
     res["seldp_steps_per_epoch"] = tr.num_training_batches

@@ -44,9 +44,7 @@ class CommStats:
         return sum(v for k, v in self.blocking.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
 
     def total_blocked_seconds(self, include_bookkeeping: bool = False) -> float:
-        return sum(
-            v for k, v in self.blocked_seconds.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS
-        )
+        return sum(v for k, v in self.blocked_seconds.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
 
     def summary(self) -> dict[str, float]:
         """Flat metrics: training totals plus per-tag bytes (``bytes_<tag>``)."""

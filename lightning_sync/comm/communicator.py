@@ -21,7 +21,12 @@ from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
 from lightning_sync.comm.link import LinkModel
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.SUM}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "avg": dist.ReduceOp.SUM,
+}
 
 
 def _sleep_until(deadline: float) -> None:
@@ -111,7 +116,9 @@ class Communicator:
         self.stats.record_launch(tag, nbytes, blocking=not async_op)
         finish = (lambda: tensor.div_(self.world_size)) if op == "avg" and self.world_size > 1 else None
         start = time.perf_counter()
-        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op) if self.world_size > 1 else None
+        work = (
+            dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op) if self.world_size > 1 else None
+        )
         if async_op:
             return CommHandle(work, self.stats, tag, start + self._delay(nbytes), finish)
         self._finish_blocking(tag, start, nbytes)

@@ -19,9 +19,7 @@ def _check_fraction(name: str, value: float) -> float:
     return float(value)
 
 
-def stratified_split(
-    labels: torch.Tensor, fractions: tuple[float, ...], seed: int
-) -> tuple[torch.Tensor, ...]:
+def stratified_split(labels: torch.Tensor, fractions: tuple[float, ...], seed: int) -> tuple[torch.Tensor, ...]:
     """Deterministic stratified split of ``range(len(labels))``.
 
     Returns ``len(fractions) + 1`` disjoint sorted index tensors covering all samples: part ``i`` has
@@ -159,13 +157,9 @@ class DigitsDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Loader of the validation split, in order."""
         self.setup()
-        return DataLoader(
-            self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
-        )
+        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
         """Loader of the test split, in order."""
         self.setup()
-        return DataLoader(
-            self.test_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
-        )
+        return DataLoader(self.test_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -159,9 +159,7 @@ class SelDPSampler(DistributedSampler):
         if rank is not None:
             _check_int("rank", rank)
             if num_replicas is not None and not 0 <= rank < num_replicas:
-                raise ValueError(
-                    f"`rank` must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got {rank}"
-                )
+                raise ValueError(f"`rank` must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got {rank}")
         super().__init__(
             dataset,  # type: ignore[arg-type]
             num_replicas=num_replicas,

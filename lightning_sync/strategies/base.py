@@ -269,9 +269,7 @@ class SyncStrategy(DDPStrategy):
         """Where ``rank``'s part of the checkpoint ``filepath`` lives (written beside it)."""
         return f"{filepath}.rank{rank}"
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write this rank's part beside the checkpoint, then (after every rank has) rank 0 writes the file.
 
         Each rank's part holds its :meth:`strategy_state` and, when :attr:`replicas_diverge`, its own model and
