@@ -1,0 +1,87 @@
+"""``lightning-sync``: the command line. ``fit`` / ``validate`` / ``test`` / ``predict`` are LightningCLI
+subcommands (``lightning-sync fit --config examples/configs/selsync.yaml``); the model and data default to the
+embedded demo (a small CNN on scikit-learn's handwritten digits, shipped inside scikit-learn: no download)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import lightning_sync  # noqa: F401  (registers the strategy names)
+
+DEFAULT_MODEL = "lightning_sync.models.DigitsCNN"
+DEFAULT_DATA = "lightning_sync.data.DigitsDataModule"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+class SyncCLI(LightningCLI):
+    """LightningCLI with the demo defaults and, after ``fit``, a test pass and a one-screen summary."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=True,
+            help="After fit, evaluate on the test set and print accuracy, LSSR and bytes sent.",
+        )
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    def after_fit(self) -> None:
+        fit_metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        test_metrics: dict[str, float] = {}
+        if self.config[self.subcommand].get("test_after_fit", True):
+            results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
+            test_metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+        self._print_summary(fit_metrics, test_metrics)
+
+    @rank_zero_only
+    def _print_summary(self, fit: dict[str, float], test: dict[str, float]) -> None:
+        strategy = self.trainer.strategy
+        rows = [("strategy", type(strategy).__name__), ("world size", str(self.trainer.world_size))]
+        for key, label in (("test/acc", "test accuracy"), ("val/acc", "val accuracy")):
+            source = test if key in test else fit
+            if key in source:
+                rows.append((label, f"{source[key]:.4f}"))
+        if "sync/lssr" in fit:
+            rows.append(("LSSR", f"{fit['sync/lssr']:.3f}"))
+            rows.append(
+                ("sync / local steps", f"{fit.get('sync/sync_steps', 0):.0f} / {fit.get('sync/local_steps', 0):.0f}")
+            )
+            rows.append(("bytes sent per rank", _fmt_bytes(fit.get("sync/bytes_sent", 0.0))))
+            rows.append(("blocked in communication", f"{fit.get('sync/blocked_s', 0.0):.3f} s"))
+        width = max(len(k) for k, _ in rows)
+        print("\nlightning-sync summary")
+        for key, value in rows:
+            print(f"  {key:<{width}}  {value}")
+        sys.stdout.flush()
+
+
+def cli_main(args: list[str] | None = None, run: bool = True) -> SyncCLI:
+    return SyncCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""How users launch: by name with Lightning's own spawn launcher, from a LightningCLI YAML, with one process,
+and what is rejected. The spawn-based tests here are the only ones that pay Lightning's import per fit."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_sync
+from lightning_sync import BSPStrategy, LinkModel, SelSyncStrategy
+from lightning_sync.callbacks import SelDP, SyncStats
+from lightning_sync.cli import cli_main
+from lightning_sync.data import DigitsDataModule
+from lightning_sync.models import DigitsCNN
+
+CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
+
+
+def _quiet(**kw):
+    return dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kw,
+    )
+
+
+def test_strategy_by_name_with_lightning_spawn():
+    assert lightning_sync.SelSyncStrategy.strategy_name in pl.strategies.StrategyRegistry
+    pl.seed_everything(0)
+    model = DigitsCNN()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="selsync",
+        max_steps=6,
+        limit_val_batches=0,
+        callbacks=[SyncStats()],
+        **_quiet(),
+    )
+    assert isinstance(trainer.strategy, SelSyncStrategy)
+    trainer.fit(model, DigitsDataModule())
+    m = trainer.callback_metrics  # rank 0's logged metrics come back to the parent
+    assert m["sync/sync_steps"] + m["sync/local_steps"] == 6
+    assert m["sync/lssr"] == pytest.approx(float(m["sync/local_steps"]) / 6)
+    assert m["sync/bytes_vote"] == 4 * 6
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # weights came back
+
+
+def test_lightning_cli_yaml_class_path(tmp_path):
+    cli = cli_main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "selsync.yaml"),
+            "--trainer.max_steps=5",
+            "--trainer.limit_val_batches=2",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.strategy.init_args.delta=0.0",
+            "--trainer.strategy.init_args.link=1gbit,1ms",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--test_after_fit=false",
+        ]
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SelSyncStrategy)
+    assert strategy.delta == 0.0 and strategy.link == LinkModel("1gbit", "1ms")
+    m = cli.trainer.callback_metrics
+    assert m["sync/sync_steps"] == 5 and m["sync/lssr"] == 0.0  # delta=0 syncs every step
+    assert m["sync/blocked_s"] >= 5 * 2 * 1e-3  # two collectives per step, each at least the 1 ms latency
+    assert (tmp_path / "selsync").exists()  # the CSV logger of the YAML wrote there
+
+
+def test_bsp_yaml_parses():
+    cli = cli_main(["--config", str(CONFIGS / "bsp.yaml")], run=False)
+    assert isinstance(cli.trainer.strategy, BSPStrategy)
+    assert isinstance(cli.model, DigitsCNN) and isinstance(cli.datamodule, DigitsDataModule)
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """A torchrun-like environment of one process: Lightning launches nothing and trains in this process."""
+    from launch import free_port
+
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", NODE_RANK="0"
+    ).items():
+        monkeypatch.setenv(key, value)
+
+
+def _fit_local(strategy, model=None, **kw):
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=3, limit_val_batches=0, **_quiet(**kw)
+    )
+    trainer.fit(model or DigitsCNN(), DigitsDataModule())
+    return trainer
+
+
+def test_world_size_one_trains_locally_with_a_warning(single_process):
+    with pytest.warns(UserWarning, match="world size 1"):
+        trainer = _fit_local(SelSyncStrategy(delta=0.0, timeout=timedelta(seconds=30)))
+    assert trainer.strategy.step_counter.steps == 3
+    assert trainer.strategy.comm_stats.total_bytes() == 0  # nothing to send to
+
+
+class ManualModel(DigitsCNN):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_manual_optimization_is_rejected_at_setup(single_process):
+    with pytest.raises(ValueError, match="manual optimization"):
+        _fit_local(SelSyncStrategy(), model=ManualModel())
+
+
+def test_gradient_accumulation_is_rejected_at_setup(single_process):
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        _fit_local(BSPStrategy(), accumulate_grad_batches=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"delta": -0.1}, "delta"),
+        ({"delta": float("nan")}, "delta"),
+        ({"delta": "0.3"}, "delta"),
+        ({"window": 0}, "window"),
+        ({"window": 1.5}, "window"),
+        ({"smoothing": 0.0}, "smoothing"),
+        ({"smoothing": 2.0}, "smoothing"),
+        ({"aggregation": "weights"}, "aggregation"),
+        ({"link": 5}, "link"),
+        ({"link": "fast,1ms"}, "bandwidth"),
+        ({"verify_sync": "yes"}, "verify_sync"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SelSyncStrategy(**kwargs)
+
+
+def test_callbacks_require_a_lightning_sync_strategy():
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[SyncStats()], **_quiet())
+    with pytest.raises(ValueError, match="lightning_sync strategy"):
+        trainer.fit(DigitsCNN(), DigitsDataModule())
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[SelDP()], **_quiet())
+    with pytest.raises(ValueError, match="lightning_sync strategy"):
+        trainer.fit(DigitsCNN(), DigitsDataModule())
