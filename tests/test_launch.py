@@ -3,7 +3,6 @@ and what is rejected. The spawn-based tests here are the only ones that pay Ligh
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from pathlib import Path
 
