@@ -50,7 +50,7 @@ def test_strategy_by_name_with_lightning_spawn():
     m = trainer.callback_metrics  # rank 0's logged metrics come back to the parent
     assert m["sync/sync_steps"] + m["sync/local_steps"] == 6
     assert m["sync/lssr"] == pytest.approx(float(m["sync/local_steps"]) / 6)
-    assert m["sync/bytes_vote"] == 4 * 6
+    assert m["sync/bytes_vote"] == 8 * 6
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # weights came back
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,25 @@ def _suite(rank: int, out_dir: str) -> None:
     res["seldp_steps_per_epoch"] = tr.num_training_batches
     res["seldp_expected"] = math.ceil(len(SelDPSampler(dm.train_dataset, num_replicas=WORLD, rank=rank)) / 32)
 
+    # 6. SIGTERM on rank 1 only (before the step's collective): every rank stops at the same step
+    class SigtermAt(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if rank == 1 and trainer.global_step == 3:
+                trainer._signal_connector.received_sigterm = True
+
+    short = {"timeout": timedelta(seconds=60)}  # a mismatched collective fails fast instead of hanging
+    for name, make in (
+        ("bsp", lambda: BSPStrategy(**short)),
+        ("selsync", lambda: SelSyncStrategy(DELTA_MIXED, **short)),
+    ):
+        strategy = make()
+        try:
+            fit(f"sigterm_{name}", strategy, max_steps=10, callbacks=[SigtermAt()])
+            res[f"sigterm_{name}"] = None
+        except SystemExit as exc:  # Lightning's SIGTERMException
+            res[f"sigterm_{name}"] = [type(exc).__name__, strategy.step_counter.steps]
+        dist.barrier()
+
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -194,7 +214,7 @@ def test_large_delta_is_local_only(suite):
         assert m["sync_steps"] == 0 and m["local_steps"] == K
         assert m["lssr"] == 1.0  # 1 minus first-step syncs: the first step's Delta is 0, so none
         assert m.get("bytes_params", 0.0) == 0.0 and m.get("bytes_grads", 0.0) == 0.0
-        assert m["bytes_vote"] == 4 * K  # one 4-byte vote all-reduce per step (2 ranks: ring sends it once)
+        assert m["bytes_vote"] == 8 * K  # one [vote, SIGTERM] float32 all-reduce per step; 2 ranks: sent once
         assert not any(equal for _, equal in r["large_probe"])  # replicas drift apart from the first step
     assert res[0]["large_logged_lssr"] == 1.0  # what SyncStats logged through Lightning
     assert _max_diff(params("large", 0), params("large", 1)) > 1e-4
@@ -245,3 +265,21 @@ def test_seldp_callback_swaps_training_sampler_only(suite):
         assert r["seldp_val_sampler"] == "DistributedSampler"
         assert r["seldp_steps_per_epoch"] == r["seldp_expected"]
         assert r["seldp_steps_per_epoch"] >= WORLD * (r["steps_per_epoch"] - 1)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(suite):
+    res, _ = suite
+    for name in ("bsp", "selsync"):
+        stops = [r[f"sigterm_{name}"] for r in res]
+        assert stops[0] is not None and stops[0] == stops[1]
+        assert stops[0][0] == "SIGTERMException" and stops[0][1] <= 4
+
+
+def test_lightning_per_step_collective_goes_through_the_accounting(suite):
+    res, _ = suite
+    bsp, large = res[0]["bsp"], res[0]["large"]
+    # BSP: a gradient all-reduce plus Lightning's per-step SIGTERM check (counted, tag "lightning") per step;
+    # SelSync folds the SIGTERM flag into its vote, so a local step is one collective. Lightning's other
+    # collectives (setup barriers...) are the same in both runs.
+    assert bsp["collectives"] - large["collectives"] == K
+    assert bsp["bytes_lightning"] - large["bytes_lightning"] == 4 * K

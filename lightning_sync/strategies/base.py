@@ -32,6 +32,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -66,6 +67,8 @@ class SyncStrategy(DDPStrategy):
     #: Whether replicas (parameters, optimizer state) can differ between ranks, so a checkpoint must hold
     #: every rank's own model and optimizer state rather than rank 0's.
     replicas_diverge: ClassVar[bool] = True
+    #: Whether the method's own per-step collective carries the SIGTERM flag (see :meth:`_check_sigterm`).
+    carries_sigterm: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -206,10 +209,44 @@ class SyncStrategy(DDPStrategy):
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         self._after_update(optimizer)
+        if not self.carries_sigterm and self.world_size > 1:
+            self._check_sigterm()
         return output
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Gradients of this step are ready (flat, bound); the optimizer has not updated yet."""
+
+    # ------------------------------------------------------------------ Lightning's per-step SIGTERM collective
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Lightning 2.6 broadcasts rank 0's SIGTERM flag at the start of every training step
+        # (``_TrainingEpochLoop._broadcast_sigterm_tensor``), straight through torch.distributed. Route it through
+        # the communicator (counted, link-emulated) or, for methods that already communicate every step, fold it
+        # into their own collective so a step costs one round trip, not two.
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        if hasattr(loop, "_broadcast_sigterm_tensor"):
+            loop._broadcast_sigterm_tensor = self._sigterm_step
+
+    def on_train_end(self) -> None:
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        super().on_train_end()
+
+    def _sigterm_flag(self) -> float:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return 1.0 if trainer is not None and getattr(trainer, "received_sigterm", False) else 0.0
+
+    def _sigterm_step(self) -> None:
+        """Replaces Lightning's check at the start of the step; the check runs after the update instead
+        (:meth:`_check_sigterm`), where a flag raised during this step still reaches every rank before any rank
+        leaves the loop at the end of the batch."""
+
+    def _check_sigterm(self) -> None:
+        """Stop every rank together when any rank received SIGTERM (Lightning's version listens to rank 0 only)."""
+        flag = torch.tensor([self._sigterm_flag()], device=self._comm_device())
+        self.comm.all_reduce(flag, op="max", tag="lightning")
+        if flag.item() > 0:
+            raise SIGTERMException()
 
     def _after_update(self, optimizer: Optimizer) -> None:
         """The optimizer has applied this step's update."""

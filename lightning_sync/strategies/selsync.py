@@ -6,6 +6,7 @@ import math
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
@@ -23,8 +24,9 @@ class SelSyncStrategy(SyncStrategy):
     1. after backward, the squared norm of the local gradient (one fused dot product over the flat gradient
        buffer) feeds a :class:`~lightning_sync.core.GradientChangeTracker`: EWMA over ``window`` steps with factor
        ``smoothing``, relative change :math:`\Delta(g_i)` of Eq. 2;
-    2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one 4-byte all-reduce sums the votes
-       (line 12 — the paper all-gathers an N-bit array; a sum carries the same "any" plus the voter count);
+    2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one 8-byte all-reduce sums the votes
+       (line 12 — the paper all-gathers an N-bit array; a sum carries the same "any" plus the voter count). The
+       same 8-byte all-reduce carries Lightning's per-step SIGTERM flag, so a local step costs one round trip;
     3. ``aggregation="parameters"`` (default, lines 9 and 13-15): the optimizer applies the local update, then, if
        any rank voted, parameters and buffers are averaged (one all-reduce). The vote's all-reduce is launched
        asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
@@ -34,7 +36,7 @@ class SelSyncStrategy(SyncStrategy):
     with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
     ranks' momentum buffers follows BSP's momentum recursion). The first step has no previous smoothed norm, so
     no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
-    every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 4-byte votes travel.
+    every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 8-byte votes travel.
 
     Args:
         delta: threshold :math:`\delta \ge 0` on the relative gradient change (``float('inf')`` allowed).
@@ -46,6 +48,7 @@ class SelSyncStrategy(SyncStrategy):
 
     strategy_name = "selsync"
     strategy_description = "SelSync: sync when any rank's relative gradient change >= delta, else a local step"
+    carries_sigterm = True  # the vote all-reduce carries Lightning's per-step SIGTERM flag: one round trip per step
 
     def __init__(
         self,
@@ -85,20 +88,22 @@ class SelSyncStrategy(SyncStrategy):
     def _on_flat_ready(self) -> None:
         if self.tracker is None:  # else restored from a checkpoint by load_strategy_state
             self.tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
-        self._vote = torch.zeros(1, dtype=torch.float32, device=self._comm_device())
+        self._vote = torch.zeros(2, dtype=torch.float32, device=self._comm_device())  # [votes, SIGTERM flags]
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
         assert self.tracker is not None and self._vote is not None
         sq_norm = float(self.flat.grad_sq_norm())
         self.last_delta = self.tracker.update(sq_norm)
-        self._vote.fill_(1.0 if wants_sync(self.last_delta, self.delta) else 0.0)
+        self._vote[0] = 1.0 if wants_sync(self.last_delta, self.delta) else 0.0
+        self._vote[1] = self._sigterm_flag()
         handle = self.comm.all_reduce(self._vote, op="sum", tag="vote", async_op=True)
         if self.aggregation == "gradients":
             synced = self._resolve_vote(handle)
             if synced:
                 self.average_grads(tag="grads")
             self.step_counter.record(synced)
+            self._stop_if_sigterm()
         else:
             self._pending_vote = handle
 
@@ -112,11 +117,17 @@ class SelSyncStrategy(SyncStrategy):
         if synced:
             self.average_state(tag="params")
         self.step_counter.record(synced)
+        self._stop_if_sigterm()
+
+    def _stop_if_sigterm(self) -> None:
+        assert self._vote is not None
+        if self._vote[1].item() > 0:  # some rank received SIGTERM before this step's vote: all stop here
+            raise SIGTERMException()
 
     def _resolve_vote(self, handle: CommHandle) -> bool:
         handle.wait()
         assert self._vote is not None
-        self.last_voters = int(self._vote.item())
+        self.last_voters = int(self._vote[0].item())
         return self.last_voters > 0
 
     # ------------------------------------------------------------------ metrics and state
