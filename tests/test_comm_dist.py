@@ -5,7 +5,6 @@ One spawn runs every check; each worker returns its observations through a file 
 
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -15,16 +14,11 @@ import torch.multiprocessing as mp
 
 from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel
 from lightning_sync.comm.cost import gloo_ring_allreduce_bytes
+from lightning_sync.launch import free_port
 
 WORLD = 2
 DELAY_LINK = LinkModel(bandwidth="100mbit", latency="5ms")
 NUMEL = 250_000  # 1 MB of float32: 80 ms at 100 Mbit/s, + 5 ms latency
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -96,7 +90,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

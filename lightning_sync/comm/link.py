@@ -24,24 +24,26 @@ _RATE_UNITS = {
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
+def _parse_quantity(value: str | float | int, units: dict[str, float], name: str, example: str) -> float:
+    """A number with an optional unit suffix (``"1gbit"``, ``"250us"``) or a bare number, scaled to base units."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must look like {example}, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", str(value))
+    unit = match.group(2).lower().replace("/s", "ps") if match else ""
+    if not match or (unit and unit not in units):
+        raise ValueError(f"{name} must look like {example}, got {value!r}")
+    return float(match.group(1)) * (units[unit] if unit else 1.0)
+
+
 def parse_bandwidth(value: str | float | int) -> float:
     """Bandwidth in bits per second from ``"1gbit"``, ``"10Gbps"``, ``"100mbit"``, ``"125MB"`` or a number (bit/s).
 
     ``bit``, ``kbit``, ``mbit``, ``gbit`` and ``bps``, ``kbps``, ``mbps``, ``gbps`` are bits per second (common
     usage; note that ``tc`` reads ``mbps`` as bytes); ``b``, ``kb``, ``mb``, ``gb`` are bytes per second.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"bandwidth must be a positive rate like '1gbit', got {value!r}")
-    if isinstance(value, (int, float)):
-        rate = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", str(value))
-        unit = match.group(2).lower().replace("/s", "ps") if match else ""
-        if not match or (unit and unit not in _RATE_UNITS):
-            raise ValueError(
-                f"bandwidth must be a positive rate like '1gbit', '10gbps', '100mbit' or bits/s, got {value!r}"
-            )
-        rate = float(match.group(1)) * (_RATE_UNITS[unit] if unit else 1.0)
+    rate = _parse_quantity(value, _RATE_UNITS, "bandwidth", "'1gbit', '10gbps', '100mbit' or bits/s (a positive rate)")
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"bandwidth must be a positive finite rate, got {value!r}")
     return rate
@@ -49,16 +51,7 @@ def parse_bandwidth(value: str | float | int) -> float:
 
 def parse_duration(value: str | float | int) -> float:
     """Seconds from ``"1ms"``, ``"250us"``, ``"0.5s"`` or a number of seconds (>= 0)."""
-    if isinstance(value, bool):
-        raise ValueError(f"latency must be a duration like '1ms', got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else ""
-        if not match or (unit and unit not in _TIME_UNITS):
-            raise ValueError(f"latency must be a duration like '1ms', '250us' or seconds, got {value!r}")
-        seconds = float(match.group(1)) * (_TIME_UNITS[unit] if unit else 1.0)
+    seconds = _parse_quantity(value, _TIME_UNITS, "latency", "'1ms', '250us' or seconds (a duration >= 0)")
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ValueError(f"latency must be a finite duration >= 0, got {value!r}")
     return seconds
