@@ -133,6 +133,12 @@ def _suite(rank: int, out_dir: str) -> None:
     res["resumed"] = tr.strategy.sync_metrics()
     res["resumed_tracker"] = tr.strategy.tracker.state_dict()
 
+    # 4b. top-k pruning removes every rank's part along with the checkpoint file
+    mc3 = ModelCheckpoint(dirpath=out / "ckpt3", every_n_train_steps=4, save_top_k=1, filename="{step}")
+    fit("pruned", SelSyncStrategy(delta=DELTA_MIXED), max_steps=12, callbacks=[mc3], enable_checkpointing=True)
+    dist.barrier()
+    res["pruned_files"] = sorted(p.name for p in (out / "ckpt3").iterdir())
+
     # 5. SelDP through the callback: the training sampler is swapped, an epoch is N times longer, val untouched
     dm = DigitsDataModule(batch_size=32)
     tr, _ = fit(
@@ -256,6 +262,11 @@ def test_resume_mid_epoch_restores_selsync_state(suite):
             assert r["resumed"].get(tag) == r["full"].get(tag)
     for rank in range(WORLD):
         assert _max_diff(params("resumed", rank), params("full", rank)) == 0.0
+
+
+def test_checkpoint_pruning_removes_rank_parts(suite):
+    res, _ = suite
+    assert res[0]["pruned_files"] == ["step=12.ckpt", "step=12.ckpt.rank0", "step=12.ckpt.rank1"]
 
 
 def test_seldp_callback_swaps_training_sampler_only(suite):
