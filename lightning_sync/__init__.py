@@ -5,8 +5,25 @@ strategy names with Lightning.
 """
 
 from lightning_sync.comm import CommStats, LinkModel
-from lightning_sync.strategies import BSPStrategy, SelSyncStrategy, SyncStrategy
+from lightning_sync.strategies import (
+    ADPSGDStrategy,
+    BSPStrategy,
+    FedAvgStrategy,
+    LocalSGDStrategy,
+    SelSyncStrategy,
+    SyncStrategy,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["BSPStrategy", "CommStats", "LinkModel", "SelSyncStrategy", "SyncStrategy", "__version__"]
+__all__ = [
+    "ADPSGDStrategy",
+    "BSPStrategy",
+    "CommStats",
+    "FedAvgStrategy",
+    "LinkModel",
+    "LocalSGDStrategy",
+    "SelSyncStrategy",
+    "SyncStrategy",
+    "__version__",
+]

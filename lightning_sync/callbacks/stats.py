@@ -28,6 +28,9 @@ class SyncStats(Callback):
     ``delta``, ``voters``     SelSync only: this rank's last relative gradient change and how many ranks voted
     ========================  =================================================================================
 
+    At every step that synchronised it also logs the strategy's
+    :meth:`~lightning_sync.strategies.SyncStrategy.sync_event_metrics` (ADPSGD: ``period``, ``s_k``, ``c2``).
+
     Values are rank 0's (loggers write on rank 0); with the all-reduce based strategies the counts are the same
     on every rank. LSSR is also shown in the progress bar. The callback only reads the strategy's counters: it
     never communicates.
@@ -39,6 +42,7 @@ class SyncStats(Callback):
         self.prefix = prefix
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
+        self._last_syncs = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not isinstance(trainer.strategy, SyncStrategy):
@@ -47,10 +51,7 @@ class SyncStats(Callback):
                 f"{type(trainer.strategy).__name__}. Use e.g. strategy='bsp' (BSP with accounting) or 'selsync'."
             )
 
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        assert isinstance(strategy, SyncStrategy)
-        metrics = strategy.sync_metrics()
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             pl_module.log(
                 self.prefix + key,
@@ -65,8 +66,14 @@ class SyncStats(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SyncStrategy)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         step = trainer.global_step
         final = trainer.max_steps != -1 and step >= trainer.max_steps
         if step % every == 0 or step == 1 or trainer.is_last_batch or final:
-            self._log(trainer, pl_module)
+            self._log(trainer, pl_module, strategy.sync_metrics())
+        syncs = strategy.step_counter.sync_steps
+        if syncs != self._last_syncs:
+            self._last_syncs = syncs
+            self._log(trainer, pl_module, strategy.sync_event_metrics())

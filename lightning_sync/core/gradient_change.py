@@ -7,6 +7,8 @@ import math
 from collections import deque
 from typing import Any
 
+from lightning_sync.core.validation import check_int, check_real
+
 
 class GradientChangeTracker:
     r"""Relative change of the EWMA-smoothed squared gradient norm, Eq. 2.
@@ -36,10 +38,8 @@ class GradientChangeTracker:
     """
 
     def __init__(self, window: int = 25, smoothing: float = 0.25) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        if not (isinstance(smoothing, (int, float)) and 0.0 < float(smoothing) <= 1.0):
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        check_int("window", window, 1)
+        check_real("smoothing", smoothing, 0.0, 1.0, low_open=True)
         self.window = window
         self.smoothing = float(smoothing)
         self._decay = 1.0 - self.smoothing

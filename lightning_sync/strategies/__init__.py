@@ -5,13 +5,30 @@ Importing this package registers every strategy name in Lightning's ``StrategyRe
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_sync.strategies.adpsgd import ADPSGDStrategy
 from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.bsp import BSPStrategy
+from lightning_sync.strategies.fedavg import FedAvgStrategy
+from lightning_sync.strategies.localsgd import LocalSGDStrategy
 from lightning_sync.strategies.selsync import SelSyncStrategy
 
-STRATEGIES: tuple[type[SyncStrategy], ...] = (BSPStrategy, SelSyncStrategy)
+STRATEGIES: tuple[type[SyncStrategy], ...] = (
+    BSPStrategy,
+    SelSyncStrategy,
+    LocalSGDStrategy,
+    FedAvgStrategy,
+    ADPSGDStrategy,
+)
 
 for _cls in STRATEGIES:
     _cls.register_strategies(StrategyRegistry)
 
-__all__ = ["BSPStrategy", "STRATEGIES", "SelSyncStrategy", "SyncStrategy"]
+__all__ = [
+    "ADPSGDStrategy",
+    "BSPStrategy",
+    "FedAvgStrategy",
+    "LocalSGDStrategy",
+    "STRATEGIES",
+    "SelSyncStrategy",
+    "SyncStrategy",
+]

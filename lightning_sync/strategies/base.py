@@ -60,6 +60,14 @@ class SyncStrategy(DDPStrategy):
             ``"verify"`` and kept out of the training totals.
         start_method: how Lightning launches processes when it launches them (``"spawn"`` by default; ignored
             under torchrun/SLURM, which start the processes themselves). Other arguments are ``DDPStrategy``'s.
+
+    For method authors: put the math in ``lightning_sync.core`` and keep the subclass to glue. Override
+    :meth:`_after_backward` (gradients ready, before the update) and/or :meth:`_after_update`; call
+    :meth:`average_state` / :meth:`average_grads` (or ``self.comm`` for anything else) and record each step with
+    ``self.step_counter.record(synced)``. Extend :meth:`strategy_state` / :meth:`load_strategy_state` with every
+    piece of per-rank state, :meth:`sync_metrics` with what should be logged every few steps and
+    :meth:`sync_event_metrics` with what should be logged at each sync. Set :attr:`replicas_diverge` and
+    :attr:`carries_sigterm` to match the method. Every collective must be issued in the same order on all ranks.
     """
 
     strategy_name: ClassVar[str | None] = None
@@ -67,7 +75,9 @@ class SyncStrategy(DDPStrategy):
     #: Whether replicas (parameters, optimizer state) can differ between ranks, so a checkpoint must hold
     #: every rank's own model and optimizer state rather than rank 0's.
     replicas_diverge: ClassVar[bool] = True
-    #: Whether the method's own per-step collective carries the SIGTERM flag (see :meth:`_check_sigterm`).
+    #: ``False``: the base checks for SIGTERM with a 4-byte all-reduce after every update (as Lightning does every
+    #: step). ``True``: the method handles it — folded into its own per-step collective (SelSync), or
+    #: :meth:`_check_sigterm` called at its sync points only (periodic methods, so local steps stay collective-free).
     carries_sigterm: ClassVar[bool] = False
 
     def __init__(
@@ -230,6 +240,9 @@ class SyncStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
         loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        if getattr(self, "average_at_end", False) and self._flat is not None and self.world_size > 1:
+            # hand back the global model (the average of the replicas, w = W 1/n), not rank 0's replica
+            self.average_state(tag="final")
         super().on_train_end()
 
     def _sigterm_flag(self) -> float:
@@ -252,10 +265,25 @@ class SyncStrategy(DDPStrategy):
         """The optimizer has applied this step's update."""
 
     # ------------------------------------------------------------------ sync helpers
-    def average_state(self, tag: str = "params") -> None:
-        """Average parameters and floating buffers over all ranks: one all-reduce per flat buffer."""
+    def average_state(self, tag: str = "params", participants: list[int] | None = None) -> None:
+        """Average parameters and floating buffers over all ranks: one all-reduce per flat buffer.
+
+        With ``participants`` (a rank list, identical on every rank), only those ranks' values are averaged and
+        every rank takes the result: the others contribute zeros to the same all-reduce (so the bytes are those of
+        a full all-reduce) and the sum is divided by ``len(participants)``.
+        """
         tensors = self.flat.state_tensors()
-        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        if participants is None or len(participants) == self.world_size:
+            self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        else:
+            if not participants:
+                raise ValueError("participants must name at least one rank")
+            if self.global_rank not in participants:
+                for t in tensors:
+                    t.zero_()
+            self.comm.all_reduce_many(tensors, op="sum", tag=tag)
+            for t in tensors:
+                t.div_(len(participants))
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
 
@@ -291,6 +319,10 @@ class SyncStrategy(DDPStrategy):
         }
         metrics.update(self.comm_stats.summary())
         return metrics
+
+    def sync_event_metrics(self) -> dict[str, float]:
+        """Method-specific values :class:`~lightning_sync.callbacks.SyncStats` logs at every step that synced."""
+        return {}
 
     # ------------------------------------------------------------------ state
     def strategy_state(self) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
@@ -11,6 +10,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
 from lightning_sync.core import GradientChangeTracker, wants_sync
+from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
 
 Aggregation = Literal["parameters", "gradients"]
@@ -58,14 +58,10 @@ class SelSyncStrategy(SyncStrategy):
         aggregation: Aggregation = "parameters",
         **kwargs: Any,
     ) -> None:
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or math.isnan(delta) or delta < 0:
-            raise ValueError(f"delta must be a number >= 0 (inf allowed), got {delta!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        if smoothing is not None and (
-            isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < smoothing <= 1.0
-        ):
-            raise ValueError(f"smoothing must be in (0, 1] or None (N/100), got {smoothing!r}")
+        check_real("delta", delta, 0.0, allow_inf=True)
+        check_int("window", window, 1)
+        if smoothing is not None:
+            check_real("smoothing", smoothing, 0.0, 1.0, low_open=True)
         if aggregation not in ("parameters", "gradients"):
             raise ValueError(f"aggregation must be 'parameters' or 'gradients', got {aggregation!r}")
         super().__init__(**kwargs)

@@ -1,0 +1,150 @@
+"""ADPSGD: adaptive periodic parameter averaging (Jiang & Agrawal, Alg. 2, §III-B, warm-up of §IV-B)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_sync.core.periodic import ADPSGDController, mean_squared_deviation
+from lightning_sync.core.validation import check_int, check_real
+from lightning_sync.strategies.base import SyncStrategy
+
+
+class ADPSGDStrategy(SyncStrategy):
+    r"""Local SGD whose averaging period adapts so that the replicas' variance before each averaging stays near
+    :math:`\gamma_k C_2` (Eq. 16).
+
+    * Warm-up: period 1 for the first ``warmup_epochs`` epochs (§IV-B), no statistic.
+    * Then Alg. 2 with :math:`p = p_{init}`: when ``cnt`` reaches :math:`p`, average parameters and buffers (one
+      all-reduce), then :math:`S_k = \frac1n \sum_i \|w_i - \bar w\|^2` over the parameters (each rank's squared
+      distance to the average, one counted scalar all-reduce, tag ``"stat"``).
+    * Sampling phase (the first ``sample_fraction`` of all training steps): :math:`C_2` = running average of
+      :math:`S_k/\gamma_k`, with :math:`\gamma_k` the optimizer's current learning rate (first parameter group), so
+      LR schedules matter as in the paper.
+    * Afterwards :math:`p \mathrel{+}= 1` if :math:`S_k < \text{low}\,\gamma_k C_2`, :math:`p \mathrel{-}= 1` if
+      :math:`S_k > \text{high}\,\gamma_k C_2`, within ``[1, max_period]``.
+
+    Every rank decides from all-reduced values and the shared learning rate only, so all ranks hold the same period.
+    Period, :math:`S_k` and :math:`C_2` are logged at every averaging by :class:`~lightning_sync.callbacks.SyncStats`.
+    Computing :math:`S_k` keeps one persistent copy of the parameters (allocated once, reused at every averaging).
+    SIGTERM is checked at averaging steps only.
+
+    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica.
+
+    Args:
+        p_init: initial period after warm-up (>= 1, <= max_period).
+        warmup_epochs: epochs with period 1 (>= 0).
+        sample_fraction: fraction of total training steps used to sample :math:`C_2`, in [0, 1).
+        low, high: thresholds of Alg. 2 lines 16 and 18, ``0 < low < high``.
+        max_period: upper bound of the period (>= 1).
+    """
+
+    strategy_name = "adpsgd"
+    strategy_description = "ADPSGD: periodic averaging with an adaptive period (Alg. 2)"
+    carries_sigterm = True
+
+    def __init__(
+        self,
+        p_init: int = 4,
+        warmup_epochs: int = 1,
+        sample_fraction: float = 0.25,
+        low: float = 0.7,
+        high: float = 1.3,
+        max_period: int = 64,
+        average_at_end: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        check_int("warmup_epochs", warmup_epochs, 0)
+        check_real("sample_fraction", sample_fraction, 0.0, 1.0, high_open=True)
+        # validates p_init, low, high, max_period with the controller's own messages
+        ADPSGDController(p_init=p_init, low=low, high=high, max_period=max_period)
+        if not isinstance(average_at_end, bool):
+            raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
+        self.average_at_end = average_at_end
+        super().__init__(**kwargs)
+        self.p_init = p_init
+        self.warmup_epochs = warmup_epochs
+        self.sample_fraction = float(sample_fraction)
+        self.low = float(low)
+        self.high = float(high)
+        self.max_period = max_period
+        self.controller: ADPSGDController | None = None
+        self._scratch: list[torch.Tensor] | None = None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        steps_per_epoch = trainer.num_training_batches
+        total = trainer.estimated_stepping_batches
+        if not (math.isfinite(steps_per_epoch) and math.isfinite(total)):
+            raise ValueError(
+                "ADPSGDStrategy needs the number of training steps (warm-up in epochs, sampling as a fraction of "
+                "the total): use a sized training loader and max_epochs or max_steps."
+            )
+        if self.controller is None:  # else restored from a checkpoint
+            self.controller = ADPSGDController(
+                p_init=self.p_init,
+                warmup_steps=self.warmup_epochs * int(steps_per_epoch),
+                sample_steps=int(round(self.sample_fraction * total)),
+                low=self.low,
+                high=self.high,
+                max_period=self.max_period,
+            )
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        assert self.controller is not None
+        synced = self.controller.step()
+        if synced:
+            if self.controller.needs_statistic():
+                s_k = self._average_and_measure()
+                self.controller.observe(s_k, float(optimizer.param_groups[0]["lr"]))
+            else:
+                self.average_state(tag="params")
+            self._check_sigterm()
+        self.step_counter.record(synced)
+
+    def _average_and_measure(self) -> float:
+        """Average, then :math:`S_k` (Alg. 2 lines 10-11) from one scalar all-reduce of squared deviations."""
+        groups = [g for g in self.flat.groups if g.param_numel]
+        if self._scratch is None:
+            self._scratch = [torch.empty_like(g.state[: g.param_numel]) for g in groups]
+        for buf, g in zip(self._scratch, groups):
+            buf.copy_(g.state[: g.param_numel])
+        self.average_state(tag="params")
+        local = torch.zeros(1, dtype=torch.float64, device=self._comm_device())
+        for buf, g in zip(self._scratch, groups):
+            buf.sub_(g.state[: g.param_numel])
+            local += torch.dot(buf, buf).double().to(local.device)
+        self.comm.all_reduce(local, op="sum", tag="stat")
+        return mean_squared_deviation(float(local.item()), self.world_size)
+
+    def sync_metrics(self) -> dict[str, float]:
+        metrics = super().sync_metrics()
+        if self.controller is not None:
+            metrics["period"] = float(self.controller.period)
+        return metrics
+
+    def sync_event_metrics(self) -> dict[str, float]:
+        c = self.controller
+        if c is None:
+            return {}
+        out = {"period": float(c.period), "c2": float(c.c2)}
+        if c.last_s is not None:
+            out["s_k"] = float(c.last_s)
+        return out
+
+    def strategy_state(self) -> dict[str, Any]:
+        state = super().strategy_state()
+        state["controller"] = self.controller.state_dict() if self.controller is not None else None
+        return state
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state(state)
+        if state.get("controller") is not None:
+            controller = ADPSGDController(p_init=self.p_init, low=self.low, high=self.high, max_period=self.max_period)
+            controller.load_state_dict(state["controller"])
+            self.controller = controller

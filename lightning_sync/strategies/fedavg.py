@@ -1,0 +1,101 @@
+"""Federated averaging with partial participation (McMahan et al.; as parameterised in SelSync §II-B: C and E)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch.optim import Optimizer
+
+from lightning_sync.core.periodic import fedavg_participants, fedavg_sync_positions
+from lightning_sync.core.validation import check_int, check_real
+from lightning_sync.strategies.base import SyncStrategy
+
+
+class FedAvgStrategy(SyncStrategy):
+    r"""Local steps; ``syncs_per_epoch`` times per epoch (:math:`E = 1/x`), uniformly spaced, the parameters of a
+    random fraction ``fraction`` (:math:`C`) of the ranks are averaged and every rank takes that average.
+
+    The participants of round :math:`r` are :math:`\lceil C N \rceil` ranks drawn from ``(seed, r)`` — the same on
+    every rank, with no communication. The average is one all-reduce over the flat parameter buffer in which the
+    other ranks contribute zeros (so the bytes are those of a full all-reduce), divided by the number of
+    participants; floating buffers travel with it. ``fraction=1`` with ``syncs_per_epoch`` dividing the epoch's
+    steps is local SGD with period ``steps_per_epoch / syncs_per_epoch``. Sync positions are
+    ``round(j * steps_per_epoch / x)`` for ``j = 1..x`` (the last one ends the epoch).
+
+    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica.
+
+    Args:
+        fraction: :math:`C \in (0, 1]`.
+        syncs_per_epoch: :math:`x \ge 1`, at most the number of training batches per epoch.
+        seed: seed of the participant draw (>= 0).
+    """
+
+    strategy_name = "fedavg"
+    strategy_description = "FedAvg: average a random fraction C of the replicas x times per epoch"
+    carries_sigterm = True
+
+    def __init__(
+        self,
+        fraction: float = 1.0,
+        syncs_per_epoch: int = 4,
+        seed: int = 0,
+        average_at_end: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.fraction = check_real("fraction", fraction, 0.0, 1.0, low_open=True)
+        self.syncs_per_epoch = check_int("syncs_per_epoch", syncs_per_epoch, 1)
+        self.seed = check_int("seed", seed, 0)
+        if not isinstance(average_at_end, bool):
+            raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
+        self.average_at_end = average_at_end
+        super().__init__(**kwargs)
+        self.round = 0
+        self.last_participants: list[int] = []
+        self._positions: frozenset[int] = frozenset()
+        self._batch_position = 0
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        steps = self.lightning_module.trainer.num_training_batches
+        if not math.isfinite(steps):
+            raise ValueError(
+                "FedAvgStrategy syncs a number of times per epoch, but the training loader has no length. Use a "
+                "sized dataset, or LocalSGDStrategy(period=...) for a fixed period in steps."
+            )
+        if self.syncs_per_epoch > steps:
+            raise ValueError(
+                f"syncs_per_epoch must be <= the {int(steps)} training batches per epoch, got {self.syncs_per_epoch}"
+            )
+        self._positions = frozenset(fedavg_sync_positions(int(steps), self.syncs_per_epoch))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._batch_position = batch_idx + 1
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        synced = self._batch_position in self._positions
+        if synced:
+            self.round += 1
+            self.last_participants = fedavg_participants(self.world_size, self.fraction, self.seed, self.round)
+            self.average_state(tag="params", participants=self.last_participants)
+            self._check_sigterm()
+        self.step_counter.record(synced)
+
+    def sync_metrics(self) -> dict[str, float]:
+        metrics = super().sync_metrics()
+        metrics["round"] = float(self.round)
+        return metrics
+
+    def sync_event_metrics(self) -> dict[str, float]:
+        return {"participants": float(len(self.last_participants))}
+
+    def strategy_state(self) -> dict[str, Any]:
+        state = super().strategy_state()
+        state["round"] = self.round
+        return state
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state(state)
+        self.round = int(state["round"])

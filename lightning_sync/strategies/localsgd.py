@@ -1,0 +1,75 @@
+"""Local SGD with constant-period parameter averaging: CPSGD (Jiang & Agrawal, ADPSGD paper, Alg. 1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.optim import Optimizer
+
+from lightning_sync.core.periodic import ConstantPeriod
+from lightning_sync.core.validation import check_int
+from lightning_sync.strategies.base import SyncStrategy
+
+
+class LocalSGDStrategy(SyncStrategy):
+    r"""Every rank steps on its own gradients; parameters and buffers are averaged every ``period`` steps.
+
+    Alg. 1 line 5-6: after the local update of step :math:`k` (0-based), average when
+    :math:`(k - \text{warmup}) \bmod p = 0`; during the first ``warmup_steps`` steps average every step (the
+    post-local-SGD warm-up). Over :math:`K` steps that is :math:`\min(K, w) + \lceil (K - w)/p \rceil` averagings
+    (:math:`\lceil K/p \rceil` without warm-up; the first one right after step 0).
+
+    ``period=1`` is BSP for SGD with momentum and weight decay, exactly: all replicas start equal, and the SGD update
+    :math:`m \leftarrow \mu m + g + \lambda w,\ w \leftarrow w - \eta m` is linear in :math:`(w, m, g)`, so the
+    average of the ranks' updated parameters equals the update with the averaged gradient and the averaged momentum
+    — and the average of the ranks' momentum buffers obeys BSP's momentum recursion. Parameters are re-averaged
+    every step, so they stay equal; momentum buffers are never communicated. (Not so for Adam: its update is
+    nonlinear in the gradient.)
+
+    Unlike Lightning's ``DDPStrategy(model_averaging_period=...)``, this works on gloo/CPU as on NCCL/GPU, averages
+    buffers too, and checkpoints its step counter. SIGTERM is checked at averaging steps only (local steps stay
+    free of collectives), so with a long period a signal is acted on at the next averaging.
+
+    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica.
+
+    Args:
+        period: averaging period :math:`p \ge 1` in optimizer steps.
+        warmup_steps: steps at the start that average every step (>= 0).
+    """
+
+    strategy_name = "localsgd"
+    strategy_description = "Local SGD (CPSGD): average parameters every `period` steps"
+    carries_sigterm = True
+
+    def __init__(self, period: int = 8, warmup_steps: int = 0, average_at_end: bool = True, **kwargs: Any) -> None:
+        self.period = check_int("period", period, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        if not isinstance(average_at_end, bool):
+            raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
+        self.average_at_end = average_at_end
+        super().__init__(**kwargs)
+        self.schedule = ConstantPeriod(self.period, self.warmup_steps)
+        self._step = 0
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        synced = self.schedule.should_average(self._step)
+        self._step += 1
+        if synced:
+            self.average_state(tag="params")
+            self._check_sigterm()
+        self.step_counter.record(synced)
+
+    def sync_metrics(self) -> dict[str, float]:
+        metrics = super().sync_metrics()
+        metrics["period"] = float(self.period)
+        return metrics
+
+    def strategy_state(self) -> dict[str, Any]:
+        state = super().strategy_state()
+        state["step"] = self._step
+        return state
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state(state)
+        self._step = int(state["step"])
