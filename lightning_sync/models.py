@@ -12,10 +12,25 @@ from torchmetrics.classification import MulticlassAccuracy
 
 
 class _Classifier(pl.LightningModule):
-    """Cross-entropy classifier with SGD (momentum, weight decay) and torchmetrics accuracy."""
+    """Cross-entropy classifier with SGD (momentum, weight decay), an optional step LR schedule (multiply by
+    ``lr_gamma`` at each epoch in ``lr_milestones``, as the ADPSGD and SelSync papers anneal), torchmetrics accuracy."""
 
-    def __init__(self, lr: float, momentum: float, weight_decay: float, num_classes: int) -> None:
+    def __init__(
+        self,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        num_classes: int,
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
+    ) -> None:
         super().__init__()
+        if lr_milestones is not None and (
+            any(not isinstance(m, int) or m < 1 for m in lr_milestones) or list(lr_milestones) != sorted(lr_milestones)
+        ):
+            raise ValueError(f"lr_milestones must be increasing epoch numbers >= 1, got {lr_milestones!r}")
+        if not 0 < lr_gamma <= 1:
+            raise ValueError(f"lr_gamma must be in (0, 1], got {lr_gamma!r}")
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if not 0 <= momentum < 1:
@@ -45,7 +60,11 @@ class _Classifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        if not hp.get("lr_milestones"):
+            return opt
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(hp.lr_milestones), gamma=hp.lr_gamma)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
 
 
 class DigitsCNN(_Classifier):
@@ -62,8 +81,10 @@ class DigitsCNN(_Classifier):
         channels: int = 16,
         hidden: int = 64,
         num_classes: int = 10,
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
     ) -> None:
-        super().__init__(lr, momentum, weight_decay, num_classes)
+        super().__init__(lr, momentum, weight_decay, num_classes, lr_milestones, lr_gamma)
         self.save_hyperparameters()
         c = channels
         self.features = nn.Sequential(
@@ -97,8 +118,10 @@ class WideMLP(_Classifier):
         hidden: int = 2048,
         depth: int = 2,
         num_classes: int = 10,
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
     ) -> None:
-        super().__init__(lr, momentum, weight_decay, num_classes)
+        super().__init__(lr, momentum, weight_decay, num_classes, lr_milestones, lr_gamma)
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth!r}")
         self.save_hyperparameters()
