@@ -39,6 +39,8 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group
 from lightning_sync.core import StepCounter
+from lightning_sync.core.validation import check_int
+from lightning_sync.strategies.injection import DataInjector
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ class SyncStrategy(DDPStrategy):
         verify_sync: after every sync, all-gather a checksum of what the sync made identical (parameters and
             buffers, or gradients) and raise if any rank differs. A test/debug mode; its traffic is tagged
             ``"verify"`` and kept out of the training totals.
+        injection: SelSync's data injection for non-IID data, ``(alpha, beta)`` in (0, 1]: the training loader's
+            batch size b is reduced to b' = b / (1 + alpha*beta*N) (Eq. 3) and every step ceil(alpha*N) ranks drawn
+            from ``injection_seed`` share beta*b' samples with all ranks (see
+            :class:`~lightning_sync.strategies.injection.DataInjector`). Available on every strategy.
         start_method: how Lightning launches processes when it launches them (``"spawn"`` by default; ignored
             under torchrun/SLURM, which start the processes themselves). Other arguments are ``DDPStrategy``'s.
 
@@ -84,6 +90,8 @@ class SyncStrategy(DDPStrategy):
         self,
         link: LinkModel | str | None = None,
         verify_sync: bool = False,
+        injection: tuple[float, float] | None = None,
+        injection_seed: int = 0,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -99,6 +107,9 @@ class SyncStrategy(DDPStrategy):
             raise ValueError(f"link must be a LinkModel, a string like '1gbit,1ms', or None; got {link!r}")
         if not isinstance(verify_sync, bool):
             raise ValueError(f"verify_sync must be a bool, got {verify_sync!r}")
+        if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
+            raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
+        injector = DataInjector(*injection, seed=check_int("injection_seed", injection_seed, 0)) if injection else None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -117,6 +128,7 @@ class SyncStrategy(DDPStrategy):
         self._flat: FlatState | None = None
         self._restored_state: dict[str, Any] | None = None
         self._dataloader_transforms: list[DataLoaderTransform] = []
+        self.injector: DataInjector | None = injector
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -200,6 +212,11 @@ class SyncStrategy(DDPStrategy):
         """Subclass hook: the flat state exists and replicas are identical (or restored)."""
 
     # ------------------------------------------------------------------ the step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.injector is not None and args:
+            args = (self.injector.inject(args[0], self.comm, self._comm_device()), *args[1:])
+        return super().training_step(*args, **kwargs)
+
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
         if self._flat is not None:
@@ -318,6 +335,9 @@ class SyncStrategy(DDPStrategy):
             "sync_steps": float(self.step_counter.sync_steps),
         }
         metrics.update(self.comm_stats.summary())
+        if self.injector is not None:
+            metrics["injected_samples"] = float(self.injector.injected_samples)
+            metrics["injected_payload_bytes"] = float(self.injector.payload_bytes)
         return metrics
 
     def sync_event_metrics(self) -> dict[str, float]:
@@ -327,11 +347,16 @@ class SyncStrategy(DDPStrategy):
     # ------------------------------------------------------------------ state
     def strategy_state(self) -> dict[str, Any]:
         """This rank's state; subclasses extend the dict (``state = super().strategy_state(); state[...] = ...``)."""
-        return {"comm": self.comm_stats.state_dict(), "steps": self.step_counter.state_dict()}
+        state: dict[str, Any] = {"comm": self.comm_stats.state_dict(), "steps": self.step_counter.state_dict()}
+        if self.injector is not None:
+            state["injector"] = self.injector.state_dict()
+        return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         self.comm_stats.load_state_dict(state["comm"])
         self.step_counter.load_state_dict(state["steps"])
+        if self.injector is not None and state.get("injector") is not None:
+            self.injector.load_state_dict(state["injector"])
 
     @staticmethod
     def rank_file(filepath: Any, rank: int) -> str:
@@ -454,6 +479,8 @@ class SyncStrategy(DDPStrategy):
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             for transform in self._dataloader_transforms:
                 dataloader = transform(dataloader, self)
+            if self.injector is not None:
+                dataloader = self.injector.rebuild_loader(dataloader, self.world_size)
         return dataloader
 
     # ------------------------------------------------------------------ teardown
