@@ -172,3 +172,27 @@ def test_injection_bytes_are_counted(suite):
         assert r["payload"] == steps * math.ceil(ALPHA * WORLD) * m * sample_bytes
         assert r["metrics"]["injected_payload_bytes"] == r["payload"]
         assert r["metrics"]["bytes_inject"] == r["bytes_inject"]
+
+
+def test_alpha_beta_delta_and_partition_from_yaml():
+    from lightning_sync import SelSyncStrategy
+    from lightning_sync.cli import cli_main
+
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "selsync_noniid.yaml"
+    cli = cli_main(["--config", str(config), "--trainer.strategy.init_args.injection=[0.75, 0.75]"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SelSyncStrategy) and strategy.delta == 0.3
+    assert (strategy.injector.alpha, strategy.injector.beta) == (0.75, 0.75)
+    assert cli.datamodule.partition == "labelskew" and cli.datamodule.labels_per_rank == 5
+
+
+def test_digits_datamodule_partitions():
+    from lightning_sync.data import DigitsDataModule, Dirichlet, LabelSkew
+
+    dm = DigitsDataModule(partition="labelskew", labels_per_rank=10)
+    assert isinstance(dm.train_dataloader().sampler, LabelSkew)  # one process: it must hold all 10 labels
+    dm = DigitsDataModule(partition="dirichlet", dirichlet_alpha=0.3)
+    assert isinstance(dm.train_dataloader().sampler, Dirichlet)
+    for kwargs, name in (({"partition": "skewed"}, "partition"), ({"labels_per_rank": 0}, "labels_per_rank")):
+        with pytest.raises(ValueError, match=name):
+            DigitsDataModule(**kwargs)

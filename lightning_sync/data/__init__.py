@@ -9,12 +9,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .loader import ResumableDataLoader
+from .noniid import Dirichlet, LabelSkew, format_label_counts, label_counts
 from .seldp import SelDPSampler, seldp_indices
 
 if TYPE_CHECKING:
     from .digits import DigitsDataModule
 
-__all__ = ["DigitsDataModule", "ResumableDataLoader", "SelDPSampler", "seldp_indices"]
+__all__ = [
+    "Dirichlet",
+    "DigitsDataModule",
+    "LabelSkew",
+    "ResumableDataLoader",
+    "SelDPSampler",
+    "format_label_counts",
+    "label_counts",
+    "seldp_indices",
+]
 
 
 def __getattr__(name: str) -> Any:

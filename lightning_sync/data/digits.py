@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..core.validation import check_int, check_real
 from .loader import ResumableDataLoader
+from .noniid import Dirichlet, LabelSkew
 
 __all__ = ["DigitsDataModule"]
 
@@ -68,6 +71,10 @@ class DigitsDataModule(pl.LightningDataModule):
         seed: seed of the split.
         num_workers: DataLoader workers, >= 0.
         flatten: give images as vectors of 64 features instead of ``(1, 8, 8)``.
+        partition: ``"iid"`` (Lightning's DistributedSampler, or SelDP through its callback), or a non-IID split of
+            the training set over the ranks: ``"labelskew"`` (:class:`~lightning_sync.data.LabelSkew` with
+            ``labels_per_rank``) or ``"dirichlet"`` (:class:`~lightning_sync.data.Dirichlet` with
+            ``dirichlet_alpha``), seeded by ``seed``; ranks' epoch lengths are equalised by repeating own samples.
     """
 
     num_classes: int = 10
@@ -81,8 +88,18 @@ class DigitsDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         flatten: bool = False,
+        partition: Literal["iid", "labelskew", "dirichlet"] = "iid",
+        labels_per_rank: int = 2,
+        dirichlet_alpha: float = 0.5,
     ) -> None:
         super().__init__()
+        if partition not in ("iid", "labelskew", "dirichlet"):
+            raise ValueError(f"`partition` must be 'iid', 'labelskew' or 'dirichlet', got {partition!r}")
+        check_int("labels_per_rank", labels_per_rank, 1, 10)
+        check_real("dirichlet_alpha", dirichlet_alpha, 0.0, low_open=True)
+        self.partition = partition
+        self.labels_per_rank = labels_per_rank
+        self.dirichlet_alpha = float(dirichlet_alpha)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be an int >= 1, got {batch_size!r}")
         val_fraction = _check_fraction("val_fraction", val_fraction)
@@ -144,14 +161,26 @@ class DigitsDataModule(pl.LightningDataModule):
         self.test_dataset = TensorDataset(images[test_idx], labels[test_idx])
 
     def train_dataloader(self) -> ResumableDataLoader:
-        """Shuffled, resumable loader of the training split."""
+        """Shuffled, resumable loader of the training split (over this rank's non-IID part when partitioned)."""
         self.setup()
+        if self.partition == "iid":
+            return ResumableDataLoader(
+                self.train_dataset,
+                batch_size=self.batch_size,
+                shuffle=True,
+                drop_last=False,
+                num_workers=self.num_workers,
+            )
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if self.partition == "labelskew":
+            sampler: LabelSkew | Dirichlet = LabelSkew(
+                self.train_dataset, self.labels_per_rank, num_replicas=world, rank=rank, seed=self.seed
+            )
+        else:
+            sampler = Dirichlet(self.train_dataset, self.dirichlet_alpha, num_replicas=world, rank=rank, seed=self.seed)
         return ResumableDataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            shuffle=True,
-            drop_last=False,
-            num_workers=self.num_workers,
+            self.train_dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers
         )
 
     def val_dataloader(self) -> DataLoader:
