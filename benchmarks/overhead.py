@@ -63,18 +63,15 @@ def _make_toggle_strategy():
 def _trainer(strategy, callbacks=(), **kw):
     import lightning.pytorch as pl
 
+    from lightning_sync.launch import quiet_trainer_kwargs
+
     return pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
         strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=list(callbacks),
-        **kw,
+        **quiet_trainer_kwargs(**kw),
     )
 
 

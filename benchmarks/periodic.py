@@ -29,6 +29,7 @@ def _worker(rank: int, out_dir: str, epochs: int, seeds: list[int]) -> None:
 
     from lightning_sync import ADPSGDStrategy, BSPStrategy, LocalSGDStrategy
     from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
 
     milestones = [max(1, epochs // 2), max(2, (3 * epochs) // 4)]
@@ -42,8 +43,7 @@ def _worker(rank: int, out_dir: str, epochs: int, seeds: list[int]) -> None:
         for name, make in makers.items():
             pl.seed_everything(seed)
             strategy = make()
-            kw = dict(accelerator="cpu", devices=WORLD, logger=False, enable_checkpointing=False)
-            kw.update(enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+            kw = quiet_trainer_kwargs(accelerator="cpu", devices=WORLD)
             trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, limit_val_batches=0, **kw)
             model = DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4, lr_milestones=milestones)
             dm = DigitsDataModule(batch_size=32, seed=seed)

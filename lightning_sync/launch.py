@@ -51,3 +51,17 @@ def launch_local(fn: Callable[..., Any], world_size: int, *args: Any, threads: i
     mp.start_processes(
         _entry, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, start_method="spawn"
     )
+
+
+def quiet_trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    """``Trainer`` arguments for scripted runs (benchmarks, tests): no logger, checkpoints, progress bar, model
+    summary or sanity validation, unless ``overrides`` say otherwise."""
+    kwargs: dict[str, Any] = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    kwargs.update(overrides)
+    return kwargs

@@ -15,20 +15,14 @@ from lightning_sync import BSPStrategy, LinkModel, SelSyncStrategy
 from lightning_sync.callbacks import SelDP, SyncStats
 from lightning_sync.cli import cli_main
 from lightning_sync.data import DigitsDataModule
+from lightning_sync.launch import quiet_trainer_kwargs
 from lightning_sync.models import DigitsCNN
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 
 
 def _quiet(**kw):
-    return dict(
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kw,
-    )
+    return quiet_trainer_kwargs(**kw)
 
 
 def test_strategy_by_name_with_lightning_spawn():

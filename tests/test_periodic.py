@@ -22,6 +22,7 @@ def _suite(rank: int, out_dir: str) -> None:
     from lightning_sync import ADPSGDStrategy, BSPStrategy, FedAvgStrategy, LocalSGDStrategy
     from lightning_sync.callbacks import SyncStats
     from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
 
     out = Path(out_dir)
@@ -30,19 +31,14 @@ def _suite(rank: int, out_dir: str) -> None:
     def fit(name, strategy, max_steps=K, callbacks=(), ckpt_path=None, **kw):
         pl.seed_everything(0)
         model = DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
-        kw.setdefault("enable_checkpointing", False)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD,
             strategy=strategy,
             max_steps=max_steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
             limit_val_batches=0,
             callbacks=list(callbacks),
-            **kw,
+            **quiet_trainer_kwargs(**kw),
         )
         trainer.fit(model, DigitsDataModule(batch_size=16), ckpt_path=ckpt_path)
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / f"{name}_rank{rank}.pt")

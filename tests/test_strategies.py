@@ -25,19 +25,16 @@ WORLD = 2
 def _trainer(strategy, max_steps, callbacks=(), **kw):
     import lightning.pytorch as pl
 
-    kw.setdefault("enable_checkpointing", False)
+    from lightning_sync.launch import quiet_trainer_kwargs
+
     kw.setdefault("limit_val_batches", 0)
     return pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
         strategy=strategy,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=list(callbacks),
-        **kw,
+        **quiet_trainer_kwargs(**kw),
     )
 
 
