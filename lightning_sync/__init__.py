@@ -10,6 +10,7 @@ from lightning_sync.strategies import (
     BSPStrategy,
     FedAvgStrategy,
     LocalSGDStrategy,
+    OSPStrategy,
     SelSyncStrategy,
     SyncStrategy,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "FedAvgStrategy",
     "LinkModel",
     "LocalSGDStrategy",
+    "OSPStrategy",
     "SelSyncStrategy",
     "SyncStrategy",
     "__version__",

@@ -96,6 +96,19 @@ class Communicator:
         self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
 
+    def split(self) -> Communicator:
+        """A second group over the same ranks (same accounting and link), so operations on it run independently
+        of this one's: an asynchronous all-reduce in flight there does not hold back blocking collectives here.
+        Every rank must call this in the same order."""
+        group = dist.new_group(ranks=list(range(dist.get_world_size())), backend=self.backend)
+        return Communicator(self.stats, self.link, group=group)
+
+    def destroy(self) -> None:
+        """Destroy this communicator's own group (never the default group)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     # ------------------------------------------------------------------ internals
     def _delay(self, nbytes: int) -> float:
         return self.link.delay(nbytes) if self.link is not None else 0.0

@@ -10,6 +10,7 @@ from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.bsp import BSPStrategy
 from lightning_sync.strategies.fedavg import FedAvgStrategy
 from lightning_sync.strategies.localsgd import LocalSGDStrategy
+from lightning_sync.strategies.osp import OSPStrategy
 from lightning_sync.strategies.selsync import SelSyncStrategy
 
 STRATEGIES: tuple[type[SyncStrategy], ...] = (
@@ -18,6 +19,7 @@ STRATEGIES: tuple[type[SyncStrategy], ...] = (
     LocalSGDStrategy,
     FedAvgStrategy,
     ADPSGDStrategy,
+    OSPStrategy,
 )
 
 for _cls in STRATEGIES:
@@ -28,6 +30,7 @@ __all__ = [
     "BSPStrategy",
     "FedAvgStrategy",
     "LocalSGDStrategy",
+    "OSPStrategy",
     "STRATEGIES",
     "SelSyncStrategy",
     "SyncStrategy",

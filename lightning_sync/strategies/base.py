@@ -129,6 +129,7 @@ class SyncStrategy(DDPStrategy):
         self._restored_state: dict[str, Any] | None = None
         self._dataloader_transforms: list[DataLoaderTransform] = []
         self.injector: DataInjector | None = injector
+        self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -231,6 +232,7 @@ class SyncStrategy(DDPStrategy):
     ) -> Any:
         def closure_then_sync() -> Any:
             result = closure()
+            self._last_loss = result
             self._after_backward(optimizer)
             return result
 
