@@ -55,9 +55,14 @@ class OSPStrategy(SyncStrategy):
 
     Args:
         bandwidth: link bandwidth for Eq. 5 (``"1gbit"``, bits/s); ``None`` measures it from the RS all-reduces.
-        max_unimportant_fraction: cap of :math:`U_{max}` as a fraction of the model, in [0, 1] (paper: 0.8).
+        max_unimportant_fraction: cap of :math:`U_{max}` as a fraction of the model, in [0, 1) (paper: 0.8).
         loss_rate: the link's loss rate in Eq. 5, >= 0.
-        fixed_share: use this fraction of the model as :math:`S(G^u)` every step instead of Algorithm 1.
+        fixed_share: use this fraction of the model, in [0, 1), as :math:`S(G^u)` every step instead of
+            Algorithm 1.
+
+    When :math:`U_{max}` comes from measured times (``T_c``, and the bandwidth when not given) and is below the cap,
+    the ICS share depends on wall-clock measurements, so runs are not bit-reproducible; with the cap binding (a fast
+    link) or ``fixed_share`` they are.
     """
 
     strategy_name = "osp"
@@ -73,9 +78,13 @@ class OSPStrategy(SyncStrategy):
         **kwargs: Any,
     ) -> None:
         self.bandwidth = None if bandwidth is None else parse_bandwidth(bandwidth)
-        self.max_unimportant_fraction = check_real("max_unimportant_fraction", max_unimportant_fraction, 0.0, 1.0)
+        self.max_unimportant_fraction = check_real(
+            "max_unimportant_fraction", max_unimportant_fraction, 0.0, 1.0, high_open=True
+        )
         self.loss_rate = check_real("loss_rate", loss_rate, 0.0)
-        self.fixed_share = None if fixed_share is None else check_real("fixed_share", fixed_share, 0.0, 1.0)
+        self.fixed_share = (
+            None if fixed_share is None else check_real("fixed_share", fixed_share, 0.0, 1.0, high_open=True)
+        )
         super().__init__(**kwargs)
         self.schedule: ICSSchedule | None = None
         self.importance: torch.Tensor | None = None
@@ -86,6 +95,7 @@ class OSPStrategy(SyncStrategy):
         self._rs_bytes_seconds = [0.0, 0.0]
         self._step_start = 0.0
         self.ics_fraction = 0.0
+        self.last_unimportant: list[int] = []
         self.ics_in_flight_at_next_step: bool | None = None
         self._ics_durations = [0.0, 0.0]  # total ICS duration, total waited
 
@@ -176,6 +186,7 @@ class OSPStrategy(SyncStrategy):
             select_unimportant(self.importance, self._sizes, self._budget()) if self.importance is not None else []
         )
         important = sorted(set(range(len(self._sizes))) - set(unimportant))
+        self.last_unimportant = unimportant
         # RS: important gradients and the buffers, one blocking all-reduce
         start, sent_before = time.perf_counter(), self.comm_stats.bytes_sent["rs"]
         if not unimportant:
@@ -332,6 +343,7 @@ class OSPStrategy(SyncStrategy):
         state["importance"] = None if self.importance is None else self.importance.cpu()
         state["epoch"] = self._epoch
         state["epoch_stats"] = list(self._epoch_stats)
+        state["rs_bytes_seconds"] = list(self._rs_bytes_seconds)
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -344,3 +356,4 @@ class OSPStrategy(SyncStrategy):
             self.importance = state["importance"].to(device=g.grads.device, dtype=torch.float64)
         self._epoch = int(state["epoch"])
         self._epoch_stats = list(state["epoch_stats"])
+        self._rs_bytes_seconds = list(state["rs_bytes_seconds"])
