@@ -11,11 +11,13 @@ from torch import Tensor
 from lightning_sync.core.validation import check_int, check_real
 
 
-def layer_importance(grad: Tensor, param: Tensor, segments: Tensor, num_layers: int) -> Tensor:
-    """Eq. 4, :math:`I^l = \\sum_{j \\in l} |g_j P_j|`, for every layer at once: one fused pass over the flat
-    gradient and parameter buffers, ``segments[j]`` being the layer of element ``j``. Returned in float64."""
-    prod = (grad * param).abs().to(torch.float64)
-    return torch.zeros(num_layers, dtype=torch.float64, device=grad.device).index_add_(0, segments, prod)
+def layer_importance(grad: Tensor, param: Tensor, sizes: list[int], scratch: Tensor | None = None) -> Tensor:
+    r"""Eq. 4, :math:`I^l = \sum_{j \in l} |g_j P_j|`, for every layer of the flat buffers at once (``sizes``: the
+    layers' element counts, in order): one product pass into ``scratch`` (allocated when not given), then one sum
+    per layer. Returned in float64."""
+    prod = torch.mul(grad, param, out=scratch) if scratch is not None else grad * param
+    prod.abs_()
+    return torch.stack([part.sum() for part in prod.split(sizes)]).to(torch.float64)
 
 
 def u_max(bandwidth_bytes_per_s: float, compute_seconds: float, world_size: int, loss_rate: float = 0.0) -> float:

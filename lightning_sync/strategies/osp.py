@@ -123,9 +123,7 @@ class OSPStrategy(SyncStrategy):
         self._offsets = [0]
         for n in self._sizes[:-1]:
             self._offsets.append(self._offsets[-1] + n)
-        self._segments = torch.repeat_interleave(
-            torch.arange(len(self._sizes), device=g.state.device), torch.tensor(self._sizes, device=g.state.device)
-        )
+        self._product = torch.empty_like(g.grad_region)  # scratch for the importance pass
         self._rs_buf = torch.empty_like(g.grads)
         cap = max(1, int(self.max_unimportant_fraction * g.param_numel))
         self._ics_buf = torch.empty(cap, dtype=g.grads.dtype, device=g.grads.device)
@@ -206,12 +204,12 @@ class OSPStrategy(SyncStrategy):
         self._rs_bytes_seconds[0] += self.comm_stats.bytes_sent["rs"] - sent_before
         self._rs_bytes_seconds[1] += time.perf_counter() - start
         # importance of the important layers from the global gradient and the (identical) parameters
-        full = layer_importance(g.grad_region, g.state[: g.param_numel], self._segments, len(self._sizes))
-        if self.importance is None:
+        full = layer_importance(g.grad_region, g.state[: g.param_numel], self._sizes, self._product)
+        if self.importance is None or not unimportant:
             self.importance = full
         else:
-            idx = torch.tensor(important, dtype=torch.long, device=full.device)
-            self.importance[idx] = full[idx]
+            for i in important:
+                self.importance[i] = full[i]
         # ICS: the unimportant gradients, asynchronous, on the second group
         self.ics_fraction = sum(self._sizes[i] for i in unimportant) / g.param_numel
         if unimportant:
