@@ -155,3 +155,12 @@ def test_callbacks_require_a_lightning_sync_strategy():
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[SelDP()], **_quiet())
     with pytest.raises(ValueError, match="lightning_sync strategy"):
         trainer.fit(DigitsCNN(), DigitsDataModule())
+
+
+@pytest.mark.parametrize("name", ["bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp"])
+def test_every_strategy_is_registered_by_name(name):
+    from lightning_sync.strategies import STRATEGIES
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, **_quiet())
+    assert type(trainer.strategy).strategy_name == name
+    assert type(trainer.strategy) in STRATEGIES
