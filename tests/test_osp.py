@@ -147,7 +147,7 @@ def _suite(rank: int, out_dir: str) -> None:
     fit("cnn_osp0", OSPStrategy(fixed_share=0.0), cnn(), DigitsDataModule())
     # a linear loss: with half the model in the ICS, the correction makes OSP exactly BSP
     fit("lin_bsp", BSPStrategy(), heads(), linear_data)
-    tr = fit("lin_osp", OSPStrategy(fixed_share=0.5), heads(), linear_data)
+    tr = fit("lin_osp", OSPStrategy(fixed_share=0.5, verify_sync=True), heads(), linear_data)
     res["lin_osp"] = tr.strategy.sync_metrics()
 
     # the ICS really is in flight while the next step computes (an emulated 2 Mbit/s link makes it slow)
@@ -219,6 +219,7 @@ def test_zero_ics_share_is_bsp(suite):
 def test_linear_loss_with_ics_is_exactly_bsp(suite):
     out, res = suite
     assert res[0]["lin_osp"]["bytes_ics"] > 0  # half the model really went through the ICS
+    assert res[0]["lin_osp"]["bytes_verify"] > 0  # verify_sync checked every RS and every correction
     assert _diff(out, "lin_osp", "lin_bsp") < 1e-6
     assert _diff(out, "lin_osp", "lin_osp", 0, 1) == 0.0  # replicas identical after the corrections
 

@@ -196,6 +196,8 @@ class OSPStrategy(SyncStrategy):
                 n += self._sizes[i]
             self._rs_buf[n : n + g.buffer_numel].copy_(g.buffers)
             self.comm.all_reduce(self._rs_buf[: n + g.buffer_numel], op="avg", tag="rs")
+            if self.verify_sync:
+                self._verify([self._rs_buf[: n + g.buffer_numel]], "important gradients and buffers after the RS")
             n = 0
             for i in important:
                 g.grad_views[i].reshape(-1).copy_(self._rs_buf[n : n + self._sizes[i]])
@@ -302,6 +304,8 @@ class OSPStrategy(SyncStrategy):
                 # importance of this layer from its global gradient and the corrected parameters
                 self.importance[i] = float((global_grad * view).abs().sum())  # type: ignore[index]
                 n += size
+        if self.verify_sync and sgd:
+            self._verify(self.flat.state_tensors(), "parameters and buffers after the LGP correction")
 
     # ------------------------------------------------------------------ drain points
     def lightning_module_state_dict(self) -> dict[str, Any]:
