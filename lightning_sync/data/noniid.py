@@ -200,7 +200,8 @@ class _NonIIDSampler(DistributedSampler):
         self.total_size = self.num_samples * self.num_replicas
 
     def _build_partition(self) -> list[list[int]]:
-        raise NotImplementedError
+        """Every rank's sorted index list; implemented by :class:`LabelSkew` and :class:`Dirichlet`."""
+        raise NotImplementedError(f"{type(self).__name__} must define how the dataset is split")
 
     def __iter__(self) -> Iterator[int]:
         """This rank's own part, shuffled with ``seed + epoch``, equalised to ``len(self)`` indices."""

@@ -109,7 +109,8 @@ class SyncStrategy(DDPStrategy):
             raise ValueError(f"verify_sync must be a bool, got {verify_sync!r}")
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
-        injector = DataInjector(*injection, seed=check_int("injection_seed", injection_seed, 0)) if injection else None
+        injection_seed = check_int("injection_seed", injection_seed, 0)
+        injector = DataInjector(*injection, seed=injection_seed) if injection else None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
