@@ -123,8 +123,11 @@ def test_manual_optimization_is_rejected_at_setup(single_process):
 
 
 def test_gradient_accumulation_is_rejected_at_setup(single_process):
-    with pytest.raises(ValueError, match="accumulate_grad_batches"):
-        _fit_local(BSPStrategy(), accumulate_grad_batches=2)
+    from lightning_sync import ADPSGDStrategy, FedAvgStrategy, OSPStrategy
+
+    for strategy in (FedAvgStrategy(), ADPSGDStrategy(), OSPStrategy()):
+        with pytest.raises(ValueError, match="accumulate_grad_batches"):
+            _fit_local(strategy, accumulate_grad_batches=2)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ class ADPSGDStrategy(SyncStrategy):
     """
 
     strategy_name = "adpsgd"
+    supports_accumulation = False
     strategy_description = "ADPSGD: periodic averaging with an adaptive period (Alg. 2)"
     carries_sigterm = True
 

@@ -81,6 +81,9 @@ class SyncStrategy(DDPStrategy):
     #: Whether replicas (parameters, optimizer state) can differ between ranks, so a checkpoint must hold
     #: every rank's own model and optimizer state rather than rank 0's.
     replicas_diverge: ClassVar[bool] = True
+    #: Whether ``accumulate_grad_batches > 1`` is supported: the hooks run once per optimizer step, on the gradient
+    #: accumulated (in the flat buffer) over the micro-batches.
+    supports_accumulation: ClassVar[bool] = True
     #: ``False``: the base checks for SIGTERM with a 4-byte all-reduce after every update (as Lightning does every
     #: step). ``True``: the method handles it — folded into its own per-step collective (SelSync), or
     #: :meth:`_check_sigterm` called at its sync points only (periodic methods, so local steps stay collective-free).
@@ -182,10 +185,11 @@ class SyncStrategy(DDPStrategy):
                 "optimizer closure Lightning builds for automatic optimization. Use automatic optimization, or "
                 "Lightning's DDPStrategy for manual optimization."
             )
-        if trainer.accumulate_grad_batches != 1:
+        if trainer.accumulate_grad_batches != 1 and not self.supports_accumulation:
             raise ValueError(
-                f"{name} does not support accumulate_grad_batches={trainer.accumulate_grad_batches} yet: gradient "
-                "statistics and syncs assume one backward per optimizer step. Use a larger batch size instead."
+                f"{name} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: its schedule is "
+                "counted in batches or measures per-step times. Use a larger batch size, or BSP / SelSync / local SGD, "
+                "which act once per optimizer step on the accumulated gradient."
             )
         precision = getattr(self.precision_plugin, "precision", None)
         if precision in ("16-mixed", "16"):

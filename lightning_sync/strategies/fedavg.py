@@ -33,6 +33,7 @@ class FedAvgStrategy(SyncStrategy):
     """
 
     strategy_name = "fedavg"
+    supports_accumulation = False
     strategy_description = "FedAvg: average a random fraction C of the replicas x times per epoch"
     carries_sigterm = True
 

@@ -66,6 +66,7 @@ class OSPStrategy(SyncStrategy):
     """
 
     strategy_name = "osp"
+    supports_accumulation = False
     strategy_description = "OSP: important layers all-reduced before the step, the rest overlapped with the next"
     replicas_diverge = False  # parameters are corrected to the global update: identical on every rank
 
