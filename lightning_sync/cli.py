@@ -4,8 +4,11 @@ embedded demo (a small CNN on scikit-learn's handwritten digits, shipped inside 
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Any
+import time
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
@@ -35,15 +38,44 @@ class SyncCLI(LightningCLI):
             default=True,
             help="After fit, evaluate on the test set and print accuracy, LSSR and bytes sent.",
         )
+        parser.add_argument(
+            "--summary_json",
+            type=Optional[str],  # noqa: UP045  (jsonargparse needs a runtime type)
+            default=None,
+            help="After fit (and test), write the final metrics and the fit's wall time to this JSON file.",
+        )
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
+    def before_fit(self) -> None:
+        self._fit_started = time.perf_counter()
+
     def after_fit(self) -> None:
+        fit_seconds = time.perf_counter() - getattr(self, "_fit_started", time.perf_counter())
         fit_metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         test_metrics: dict[str, float] = {}
-        if self.config[self.subcommand].get("test_after_fit", True):
+        config = self.config[self.subcommand]
+        if config.get("test_after_fit", True):
+            if config.get("summary_json"):
+                self.trainer.loggers = []  # keep the fit's metric history (the CSV) intact; test goes to the summary
             results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
             test_metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
         self._print_summary(fit_metrics, test_metrics)
+        if config.get("summary_json"):
+            self._write_summary(config["summary_json"], fit_metrics, test_metrics, fit_seconds)
+
+    @rank_zero_only
+    def _write_summary(self, path: str, fit: dict[str, float], test: dict[str, float], seconds: float) -> None:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        summary = {
+            "strategy": type(self.trainer.strategy).__name__,
+            "world_size": self.trainer.world_size,
+            "fit_seconds": seconds,
+            "global_step": self.trainer.global_step,
+            "fit": fit,
+            "test": test,
+        }
+        out.write_text(json.dumps(summary, indent=2))
 
     @rank_zero_only
     def _print_summary(self, fit: dict[str, float], test: dict[str, float]) -> None:
@@ -80,6 +112,12 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> SyncCLI:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "compare":
+        from lightning_sync.compare import main as compare_main
+
+        compare_main(args[1:])
+        return
     cli_main(argv)
 
 

@@ -1,6 +1,7 @@
 """Callbacks that steer and log lightning_sync strategies (they never communicate behind the strategy's back)."""
 
+from lightning_sync.callbacks.progress import EpochPrinter
 from lightning_sync.callbacks.seldp import SelDP
 from lightning_sync.callbacks.stats import SyncStats
 
-__all__ = ["SelDP", "SyncStats"]
+__all__ = ["EpochPrinter", "SelDP", "SyncStats"]

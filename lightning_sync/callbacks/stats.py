@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +26,7 @@ class SyncStats(Callback):
                               collectives: ``sync_dist`` logging, barriers), ``setup``, ``checkpoint``...
     ``collectives``           collectives issued for training; ``blocking_collectives`` those waited on at once
     ``blocked_s``             seconds the training thread was blocked in communication (emulated delay included)
+    ``wall_s``                seconds since training started (rank 0's clock)
     ``delta``, ``voters``     SelSync only: this rank's last relative gradient change and how many ranks voted
     ========================  =================================================================================
 
@@ -43,6 +45,7 @@ class SyncStats(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
         self._last_syncs = 0
+        self._t0 = time.perf_counter()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not isinstance(trainer.strategy, SyncStrategy):
@@ -63,6 +66,9 @@ class SyncStats(Callback):
                 rank_zero_only=True,
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0 = time.perf_counter()
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -72,7 +78,9 @@ class SyncStats(Callback):
         step = trainer.global_step
         final = trainer.max_steps != -1 and step >= trainer.max_steps
         if step % every == 0 or step == 1 or trainer.is_last_batch or final:
-            self._log(trainer, pl_module, strategy.sync_metrics())
+            metrics = strategy.sync_metrics()
+            metrics["wall_s"] = time.perf_counter() - self._t0
+            self._log(trainer, pl_module, metrics)
         syncs = strategy.step_counter.sync_steps
         if syncs != self._last_syncs:
             self._last_syncs = syncs
