@@ -50,8 +50,20 @@ def _strategy_class_path(name: str) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _default_config() -> str:
-    return str(resources.files("lightning_sync") / "configs" / "compare_default.yaml")
+WORKLOADS = {
+    # name: (packaged base config, final metric, curve metric)
+    "digits": ("compare_default.yaml", "test/acc", "val/acc"),
+    "text": ("compare_text.yaml", "test/ppl", "val/ppl"),
+}
+
+
+def _packaged_config(filename: str) -> str:
+    return str(resources.files("lightning_sync") / "configs" / filename)
+
+
+def lower_is_better(metric: str) -> bool:
+    """Loss and perplexity decrease; accuracy-like metrics increase."""
+    return any(word in metric for word in ("loss", "ppl", "perplexity", "error"))
 
 
 def build_command(
@@ -146,11 +158,12 @@ def time_to_reach(curve: list[tuple[float, float, float]], target: float, higher
 
 def summarize(results: list[RunResult], metric: str, curve_metric: str) -> list[dict[str, Any]]:
     """One table row per strategy; differences, time to BSP's final metric and speedups are relative to ``bsp``."""
+    higher = not lower_is_better(curve_metric)
     base = next((r for r in results if r.name == "bsp" and r.ok), None)
     base_final = base.summary["test"].get(metric, base.summary["fit"].get(metric)) if base else None
     base_curve = _metric_curve(base.history, curve_metric) if base else []
     base_target = base_curve[-1][2] if base_curve else None
-    base_time = time_to_reach(base_curve, base_target) if base_target is not None else math.nan
+    base_time = time_to_reach(base_curve, base_target, higher) if base_target is not None else math.nan
     rows = []
     for r in results:
         row: dict[str, Any] = {"strategy": r.name}
@@ -160,9 +173,8 @@ def summarize(results: list[RunResult], metric: str, curve_metric: str) -> list[
             continue
         fit, test = r.summary["fit"], r.summary["test"]
         final = test.get(metric, fit.get(metric, math.nan))
-        reach = (
-            time_to_reach(_metric_curve(r.history, curve_metric), base_target) if base_target is not None else math.nan
-        )
+        curve = _metric_curve(r.history, curve_metric)
+        reach = time_to_reach(curve, base_target, higher) if base_target is not None else math.nan
         row.update(
             steps=fit.get("sync/local_steps", 0.0) + fit.get("sync/sync_steps", 0.0),
             lssr=fit.get("sync/lssr", math.nan),
@@ -267,15 +279,23 @@ def plot(results: list[RunResult], curve_metric: str, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(prog="lightning-sync compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="base LightningCLI YAML (default: the embedded demo)")
+    parser.add_argument("--config", default=None, help="base LightningCLI YAML (default: the --workload's)")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="digits",
+        help="embedded workload: digits (CNN, accuracy) or text (character Transformer on Python's help, perplexity)",
+    )
     parser.add_argument(
         "--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated names ({DEFAULT_STRATEGIES})"
     )
     parser.add_argument("--devices", type=int, default=2, help="processes per run (>= 1)")
     parser.add_argument("--link", default=None, help="emulated link for every run, e.g. '1gbit,1ms'")
     parser.add_argument("--out", default="runs/compare", help="output folder (table, plots, each run's logs)")
-    parser.add_argument("--metric", default="test/acc", help="final metric of the table (logged at test)")
-    parser.add_argument("--curve-metric", default="val/acc", help="metric over time/steps (logged at validation)")
+    parser.add_argument(
+        "--metric", default=None, help="final metric of the table, logged at test (default: workload's)"
+    )
+    parser.add_argument("--curve-metric", default=None, help="metric over time and steps, logged at validation")
     parser.add_argument(
         "--strategy-arg",
         action="append",
@@ -299,7 +319,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         strategy_args.setdefault(name, []).append(rest)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = args.config or _default_config()
+    base_config, default_metric, default_curve = WORKLOADS[args.workload]
+    config = args.config or _packaged_config(base_config)
+    args.metric = args.metric or default_metric
+    args.curve_metric = args.curve_metric or default_curve
     results = []
     for i, name in enumerate(names, 1):
         try:

@@ -135,3 +135,66 @@ class WideMLP(_Classifier):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+
+class CharTransformerLM(pl.LightningModule):
+    """A small causal Transformer language model over characters (the SelSync paper's Transformer workload, scaled
+    down: ``layers`` encoder layers of width ``dim`` with ``heads`` heads). Logs ``train/loss``, ``val/loss``,
+    ``val/ppl`` (perplexity, exp of the mean loss) and ``test/ppl``; optimizer SGD with momentum (default, so OSP's
+    correction is exact and ADPSGD sees a learning rate) or AdamW."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        seq_len: int = 64,
+        dim: int = 64,
+        heads: int = 2,
+        layers: int = 2,
+        dropout: float = 0.0,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        optimizer: str = "sgd",
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab_size)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        h = self.embed(x) + self.pos[:t]
+        return self.head(self.encoder(h, mask=self.mask[:t, :t], is_causal=True))
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("test/loss", loss, sync_dist=True)
+        self.log("test/ppl", torch.exp(loss), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if hp.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=hp.lr)
+        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum)

@@ -13,6 +13,7 @@ from lightning_sync.compare import markdown, time_to_reach
 def test_time_to_reach_and_failed_rows():
     curve = [(5, 0.5, 0.80), (10, 1.0, 0.90), (15, 1.5, 0.95)]
     assert time_to_reach(curve, 0.9) == 1.0
+    assert time_to_reach([(1, 0.5, 30.0), (2, 1.0, 20.0)], 25.0, higher_is_better=False) == 1.0  # perplexity
     assert time_to_reach(curve, 0.99) != time_to_reach(curve, 0.99)  # nan: never reached
     table = markdown([{"strategy": "x", "error": "boom | bad"}], "test/acc")
     assert "failed: boom / bad" in table

@@ -13,12 +13,16 @@ from .noniid import Dirichlet, LabelSkew, format_label_counts, label_counts
 from .seldp import SelDPSampler, seldp_indices
 
 if TYPE_CHECKING:
+    from .cifar import CIFAR10DataModule
     from .digits import DigitsDataModule
+    from .text import PythonTextDataModule
 
 __all__ = [
+    "CIFAR10DataModule",
     "Dirichlet",
     "DigitsDataModule",
     "LabelSkew",
+    "PythonTextDataModule",
     "ResumableDataLoader",
     "SelDPSampler",
     "format_label_counts",
@@ -32,4 +36,12 @@ def __getattr__(name: str) -> Any:
         from .digits import DigitsDataModule
 
         return DigitsDataModule
+    if name == "CIFAR10DataModule":
+        from .cifar import CIFAR10DataModule
+
+        return CIFAR10DataModule
+    if name == "PythonTextDataModule":
+        from .text import PythonTextDataModule
+
+        return PythonTextDataModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

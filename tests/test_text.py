@@ -1,0 +1,55 @@
+"""The language-model workload on text shipped with Python (pydoc_data help topics)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_sync.data.text import CharVocab, CharWindows, PythonTextDataModule, python_help_text
+from lightning_sync.launch import quiet_trainer_kwargs
+from lightning_sync.models import CharTransformerLM
+
+
+def test_tokenization_and_split_are_deterministic():
+    text = python_help_text()
+    assert text == python_help_text() and len(text) > 100_000
+    a, b = CharVocab(text), CharVocab(text)
+    assert a.chars == b.chars and a.chars == sorted(set(text))
+    sample = text[:500]
+    assert a.decode(a.encode(sample)) == sample
+    dm1, dm2 = PythonTextDataModule(max_chars=20_000), PythonTextDataModule(max_chars=20_000)
+    dm1.setup()
+    dm2.setup()
+    for split in ("train", "val", "test"):
+        assert torch.equal(dm1.splits[split], dm2.splits[split])
+    joined = torch.cat([dm1.splits["train"], dm1.splits["val"], dm1.splits["test"]])
+    assert torch.equal(joined, a.encode(text[:20_000]))  # contiguous, disjoint, in order
+
+
+def test_windows_shift_targets_by_one():
+    ids = torch.arange(100)
+    ds = CharWindows(ids, seq_len=10)
+    assert len(ds) == 9
+    x, y = ds[3]
+    assert torch.equal(x, torch.arange(30, 40)) and torch.equal(y, torch.arange(31, 41))
+
+
+@pytest.mark.parametrize("kwargs,name", [({"seq_len": 1}, "seq_len"), ({"val_fraction": 0.0}, "val_fraction")])
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PythonTextDataModule(**kwargs)
+
+
+def test_short_training_lowers_validation_perplexity():
+    torch.set_num_threads(1)
+    dm = PythonTextDataModule(max_chars=40_000, batch_size=32)
+    pl.seed_everything(0)
+    model = CharTransformerLM(vocab_size=dm.vocab_size)
+    before = pl.Trainer(accelerator="cpu", devices=1, limit_val_batches=8, **quiet_trainer_kwargs()).validate(
+        model, dm, verbose=False
+    )[0]["val/ppl"]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_val_batches=8, **quiet_trainer_kwargs())
+    trainer.fit(model, dm)
+    after = float(trainer.callback_metrics["val/ppl"])
+    assert after < 0.5 * before, (before, after)
