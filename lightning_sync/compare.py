@@ -108,21 +108,46 @@ def _read_history(path: Path) -> list[dict[str, float]]:
     return rows
 
 
-def run_one(name: str, cmd: list[str], out: Path, index: int, total: int) -> RunResult:
-    """Run one strategy, streaming its progress lines, and collect its summary and metric history."""
+def run_one(name: str, cmd: list[str], out: Path, index: int, total: int, cluster: Any = None) -> RunResult:
+    """Run one strategy, streaming its progress lines, and collect its summary and metric history.
+
+    With a :class:`~lightning_sync.cluster.NamespaceCluster`, one process per host is started in its namespace
+    (``num_nodes`` = hosts, one device each, torchrun-style environment); rank 0's output is streamed."""
     result = RunResult(name)
     (out / name).mkdir(parents=True, exist_ok=True)
     log_path = out / name / "run.log"
     start = time.perf_counter()
     print(f"[compare] ({index}/{total}) {name}: starting", flush=True)
+    others: list[subprocess.Popen] = []
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+        if cluster is None:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+            )
+        else:
+            from lightning_sync.launch import free_port
+
+            port = free_port()
+            node_cmd = [*cmd, f"--trainer.num_nodes={cluster.hosts}", "--trainer.devices=1"]
+            proc = cluster.popen(
+                0, node_cmd, cluster.env(0, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            others = [
+                cluster.popen(i, node_cmd, cluster.env(i, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for i in range(1, cluster.hosts)
+            ]
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
             if line.startswith("[progress]"):
                 print(f"[compare] ({index}/{total}) {name}: {line[len('[progress] ') :].rstrip()}", flush=True)
         code = proc.wait()
+        for other in others:
+            try:
+                code = code or other.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                other.kill()
+                code = code or 1
     result.seconds = time.perf_counter() - start
     summary_path = out / name / "summary.json"
     if code == 0 and summary_path.exists():
@@ -291,6 +316,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     parser.add_argument("--devices", type=int, default=2, help="processes per run (>= 1)")
     parser.add_argument("--link", default=None, help="emulated link for every run, e.g. '1gbit,1ms'")
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        metavar="HOSTSxRATE",
+        help="run on a namespace cluster of HOSTS hosts with kernel rate-limited links, e.g. 4x1gbit (root, Linux; "
+        "one process per host, --devices ignored)",
+    )
     parser.add_argument("--out", default="runs/compare", help="output folder (table, plots, each run's logs)")
     parser.add_argument(
         "--metric", default=None, help="final metric of the table, logged at test (default: workload's)"
@@ -323,22 +355,35 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = args.config or _packaged_config(base_config)
     args.metric = args.metric or default_metric
     args.curve_metric = args.curve_metric or default_curve
+    cluster = None
+    if args.cluster:
+        from lightning_sync.cluster import NamespaceCluster
+
+        hosts, _, rate = args.cluster.partition("x")
+        if not hosts.isdigit() or not rate:
+            parser.error(f"--cluster must look like HOSTSxRATE, e.g. 4x1gbit; got {args.cluster!r}")
+        cluster = NamespaceCluster(int(hosts), rate).__enter__()
     results = []
-    for i, name in enumerate(names, 1):
-        try:
-            cmd = build_command(name, config, out, args.devices, args.link, strategy_args, extra)
-        except ValueError as err:
-            results.append(RunResult(name, error=str(err)))
-            print(f"[compare] ({i}/{len(names)}) {name}: FAILED ({err})", flush=True)
-            continue
-        results.append(run_one(name, cmd, out, i, len(names)))
+    try:
+        for i, name in enumerate(names, 1):
+            try:
+                cmd = build_command(name, config, out, args.devices, args.link, strategy_args, extra)
+            except ValueError as err:
+                results.append(RunResult(name, error=str(err)))
+                print(f"[compare] ({i}/{len(names)}) {name}: FAILED ({err})", flush=True)
+                continue
+            results.append(run_one(name, cmd, out, i, len(names), cluster))
+    finally:
+        if cluster is not None:
+            cluster.destroy()
     rows = summarize(results, args.metric, args.curve_metric)
     table = markdown(rows, args.metric)
     (out / "table.md").write_text(table + "\n")
     write_csv(rows, out / "table.csv")
     plots = plot(results, args.curve_metric, out)
     link = args.link or "none"
-    print(f"\n## lightning-sync compare: {args.devices} processes, link {link}, base config {config}\n")
+    where = f"namespace cluster {args.cluster}" if args.cluster else f"{args.devices} processes"
+    print(f"\n## lightning-sync compare: {where}, emulated link {link}, base config {config}\n")
     print(table)
     print(f"\nwritten: {out / 'table.md'}, {out / 'table.csv'}, " + ", ".join(str(p) for p in plots))
     return rows

@@ -1,0 +1,149 @@
+"""A multi-host cluster on one Linux machine: network namespaces joined through a bridge by veth links, each link
+rate-limited in the kernel with a ``tbf`` qdisc (both directions), addresses from the link-local 169.254.0.0/16.
+
+Processes started with :meth:`NamespaceCluster.popen` run "on" a host: gloo traffic between hosts crosses the
+rate-limited links for real, so a benchmark sees what a cluster of that bandwidth would (latency cannot be added:
+``netem`` is not available on these machines; use :class:`~lightning_sync.comm.LinkModel` for that). Needs root and
+iproute2 (``ip``, ``tc``). The namespaces are removed on every exit path: leaving the ``with`` block (also on an
+exception), ``atexit``, and SIGTERM/SIGINT while it is active.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_sync.comm.link import parse_bandwidth
+from lightning_sync.core.validation import check_int
+
+
+def cluster_available() -> tuple[bool, str]:
+    """Whether namespaces can be made here, and if not why."""
+    if not sys.platform.startswith("linux"):
+        return False, "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return False, "creating network namespaces needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"`{tool}` (iproute2) is not installed"
+    return True, ""
+
+
+def _run(*args: str) -> None:
+    subprocess.run(list(args), check=True, capture_output=True, text=True)
+
+
+class NamespaceCluster:
+    """``hosts`` namespaces ``<prefix>h<i>`` with address ``169.254.<subnet>.<i+1>``, each joined to a bridge in
+    ``<prefix>sw`` by a veth link limited to ``rate`` in each direction (tbf with a burst of 10 ms of traffic)."""
+
+    def __init__(self, hosts: int, rate: str | float = "1gbit", subnet: int = 77, prefix: str | None = None) -> None:
+        self.hosts = check_int("hosts", hosts, 2, 250)
+        self.bits_per_second = parse_bandwidth(rate)
+        self.subnet = check_int("subnet", subnet, 0, 255)
+        self.prefix = prefix or f"ls{os.getpid() % 100000}"
+        if len(self.prefix) > 8:
+            raise ValueError(f"prefix must be at most 8 characters (interface names are limited), got {self.prefix!r}")
+        self._created: list[str] = []
+        self._previous_handlers: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ names
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}h{i}"
+
+    def interface(self, i: int) -> str:
+        return f"{self.prefix}v{i}"
+
+    def address(self, i: int) -> str:
+        return f"169.254.{self.subnet}.{i + 1}"
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> NamespaceCluster:
+        ok, why = cluster_available()
+        if not ok:
+            raise RuntimeError(f"cannot build a namespace cluster: {why}")
+        atexit.register(self.destroy)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        try:
+            self._create()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.destroy()
+        previous = self._previous_handlers.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise SystemExit(128 + signum)
+
+    def _create(self) -> None:
+        switch = f"{self.prefix}sw"
+        _run("ip", "netns", "add", switch)
+        self._created.append(switch)
+        _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", switch, "link", "set", "br0", "up")
+        rate = f"{int(self.bits_per_second)}bit"
+        burst = f"{max(32_000, int(self.bits_per_second / 8 / 100))}b"
+        for i in range(self.hosts):
+            ns, host_if, switch_if = self.namespace(i), self.interface(i), f"{self.prefix}p{i}"
+            _run("ip", "netns", "add", ns)
+            self._created.append(ns)
+            _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", switch_if)
+            _run("ip", "link", "set", host_if, "netns", ns)
+            _run("ip", "link", "set", switch_if, "netns", switch)
+            _run("ip", "-n", switch, "link", "set", switch_if, "master", "br0")
+            _run("ip", "-n", switch, "link", "set", switch_if, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", host_if)
+            _run("ip", "-n", ns, "link", "set", host_if, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            for where, dev in ((ns, host_if), (switch, switch_if)):  # host -> switch and switch -> host
+                _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                     "latency", "100ms")  # fmt: skip
+
+    def destroy(self) -> None:
+        """Delete every namespace this cluster made (their veth links go with them). Idempotent."""
+        while self._created:
+            ns = self._created.pop()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def existing(self) -> list[str]:
+        """Namespaces with this cluster's prefix that exist right now."""
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in out.splitlines() if line.startswith(self.prefix)]
+
+    # ------------------------------------------------------------------ processes
+    def env(self, i: int, master_port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a one-process-per-host job on host ``i`` (torchrun-like: Lightning launches nothing)."""
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=self.address(0),
+            MASTER_PORT=str(master_port),
+            WORLD_SIZE=str(self.hosts),
+            RANK=str(i),
+            NODE_RANK=str(i),
+            LOCAL_RANK="0",
+            GLOO_SOCKET_IFNAME=self.interface(i),
+        )
+        env.update(extra or {})
+        return env
+
+    def popen(self, i: int, cmd: Sequence[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``cmd`` inside host ``i``'s namespace."""
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *cmd], env=env, **kwargs)
