@@ -181,13 +181,16 @@ def time_to_reach(curve: list[tuple[float, float, float]], target: float, higher
     return math.nan
 
 
-def summarize(results: list[RunResult], metric: str, curve_metric: str) -> list[dict[str, Any]]:
-    """One table row per strategy; differences, time to BSP's final metric and speedups are relative to ``bsp``."""
+def summarize(
+    results: list[RunResult], metric: str, curve_metric: str, target: float | None = None
+) -> list[dict[str, Any]]:
+    """One table row per strategy; differences, time to BSP's final metric (or to ``target``) and speedups are
+    relative to ``bsp``."""
     higher = not lower_is_better(curve_metric)
     base = next((r for r in results if r.name == "bsp" and r.ok), None)
     base_final = base.summary["test"].get(metric, base.summary["fit"].get(metric)) if base else None
     base_curve = _metric_curve(base.history, curve_metric) if base else []
-    base_target = base_curve[-1][2] if base_curve else None
+    base_target = target if target is not None else (base_curve[-1][2] if base_curve else None)
     base_time = time_to_reach(base_curve, base_target, higher) if base_target is not None else math.nan
     rows = []
     for r in results:
@@ -329,6 +332,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     parser.add_argument("--curve-metric", default=None, help="metric over time and steps, logged at validation")
     parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="value of the curve metric whose time to reach is reported (default: BSP's final value)",
+    )
+    parser.add_argument(
         "--strategy-arg",
         action="append",
         default=[],
@@ -376,7 +385,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     finally:
         if cluster is not None:
             cluster.destroy()
-    rows = summarize(results, args.metric, args.curve_metric)
+    rows = summarize(results, args.metric, args.curve_metric, args.target)
     table = markdown(rows, args.metric)
     (out / "table.md").write_text(table + "\n")
     write_csv(rows, out / "table.csv")
