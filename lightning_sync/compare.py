@@ -85,6 +85,7 @@ def build_command(
         config,
         f"--trainer.strategy.class_path={_strategy_class_path(name)}",
         f"--trainer.devices={devices}",
+        f"--trainer.default_root_dir={out / name}",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
         f"--trainer.logger.init_args.save_dir={out}",
         f"--trainer.logger.init_args.name={name}",
