@@ -134,6 +134,7 @@ class SyncStrategy(DDPStrategy):
         self._dataloader_transforms: list[DataLoaderTransform] = []
         self.injector: DataInjector | None = injector
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
+        self._sigterm_buf: Tensor | None = None
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -280,7 +281,10 @@ class SyncStrategy(DDPStrategy):
 
     def _check_sigterm(self) -> None:
         """Stop every rank together when any rank received SIGTERM (Lightning's version listens to rank 0 only)."""
-        flag = torch.tensor([self._sigterm_flag()], device=self._comm_device())
+        if self._sigterm_buf is None:
+            self._sigterm_buf = torch.zeros(1, device=self._comm_device())
+        flag = self._sigterm_buf
+        flag.fill_(self._sigterm_flag())
         self.comm.all_reduce(flag, op="max", tag="lightning")
         if flag.item() > 0:
             raise SIGTERMException()

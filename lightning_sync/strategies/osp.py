@@ -94,6 +94,7 @@ class OSPStrategy(SyncStrategy):
         self._epoch = -1
         self._epoch_stats = [0.0, 0.0, 0.0]  # compute seconds, steps, loss sum
         self._rs_bytes_seconds = [0.0, 0.0]
+        self._loss_sum: torch.Tensor | None = None
         self._step_start = 0.0
         self.ics_fraction = 0.0
         self.last_unimportant: list[int] = []
@@ -150,6 +151,7 @@ class OSPStrategy(SyncStrategy):
     def _start_epoch(self, epoch: int) -> None:
         """Algorithm 1 at an epoch boundary, from values averaged over ranks (one 3-float all-reduce)."""
         assert self.schedule is not None
+        self._fold_loss()
         compute, steps, loss_sum = self._epoch_stats
         rs_bytes, rs_seconds = self._rs_bytes_seconds
         measured_bw = rs_bytes / rs_seconds if rs_seconds > 0 else 0.0
@@ -168,6 +170,11 @@ class OSPStrategy(SyncStrategy):
         self._epoch_stats = [0.0, 0.0, 0.0]
         self._rs_bytes_seconds = [0.0, 0.0]
 
+    def _fold_loss(self) -> None:
+        if self._loss_sum is not None:
+            self._epoch_stats[2] += float(self._loss_sum)
+            self._loss_sum = None
+
     def _budget(self) -> float:
         assert self.schedule is not None
         if self.fixed_share is not None:
@@ -177,8 +184,9 @@ class OSPStrategy(SyncStrategy):
     def _after_backward(self, optimizer: Optimizer) -> None:
         self._epoch_stats[0] += time.perf_counter() - self._step_start
         self._epoch_stats[1] += 1
-        if isinstance(self._last_loss, torch.Tensor):
-            self._epoch_stats[2] += float(self._last_loss.detach())
+        if isinstance(self._last_loss, torch.Tensor):  # summed on device; read once per epoch, not every step
+            loss = self._last_loss.detach()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._drain()
         g = self.flat.groups[0]
         unimportant = (
@@ -341,6 +349,7 @@ class OSPStrategy(SyncStrategy):
 
     def strategy_state(self) -> dict[str, Any]:
         self._drain()
+        self._fold_loss()
         state = super().strategy_state()
         state["schedule"] = self.schedule.state_dict() if self.schedule is not None else None
         state["importance"] = None if self.importance is None else self.importance.cpu()
