@@ -1,4 +1,5 @@
-"""Data utilities: SelDP partitioning (SelSync §III-D), a resumable DataLoader and an embedded dataset.
+"""Data utilities: SelDP partitioning (SelSync §III-D), dynamic work assignment, a resumable DataLoader and
+an embedded dataset.
 
 ``DigitsDataModule`` is imported lazily (it pulls in ``lightning.pytorch``, several seconds to import), so
 ``from lightning_sync.data import SelDPSampler`` stays cheap.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .dynamic import DynamicBatchSampler, LocalCounter, dynamic_loader
 from .loader import ResumableDataLoader
 from .noniid import Dirichlet, LabelSkew, format_label_counts, label_counts
 from .seldp import SelDPSampler, seldp_indices
@@ -21,10 +23,13 @@ __all__ = [
     "CIFAR10DataModule",
     "Dirichlet",
     "DigitsDataModule",
+    "DynamicBatchSampler",
     "LabelSkew",
+    "LocalCounter",
     "PythonTextDataModule",
     "ResumableDataLoader",
     "SelDPSampler",
+    "dynamic_loader",
     "format_label_counts",
     "label_counts",
     "seldp_indices",
