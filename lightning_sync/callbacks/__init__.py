@@ -3,5 +3,6 @@
 from lightning_sync.callbacks.progress import EpochPrinter
 from lightning_sync.callbacks.seldp import SelDP
 from lightning_sync.callbacks.stats import SyncStats
+from lightning_sync.callbacks.straggler import StragglerInjection
 
-__all__ = ["EpochPrinter", "SelDP", "SyncStats"]
+__all__ = ["EpochPrinter", "SelDP", "StragglerInjection", "SyncStats"]
