@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -16,23 +17,35 @@ class CommStats:
     ``ops`` (collectives issued), ``blocking`` (those the training thread waited on at the call) and
     ``blocked_seconds`` (wall time the training thread spent inside blocking calls and ``wait()`` on
     asynchronous handles, emulated link delay included). Lives next to its ``state_dict`` so totals survive a
-    resume.
+    resume. Thread-safe: a parameter server's threads record their sends here too.
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.bytes_sent: dict[str, int] = defaultdict(int)
         self.ops: dict[str, int] = defaultdict(int)
         self.blocking: dict[str, int] = defaultdict(int)
         self.blocked_seconds: dict[str, float] = defaultdict(float)
 
+    def __getstate__(self) -> dict[str, Any]:  # spawn pickles the strategy, and its stats, to every worker
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def record_launch(self, tag: str, nbytes: int, blocking: bool) -> None:
-        self.bytes_sent[tag] += nbytes
-        self.ops[tag] += 1
-        if blocking:
-            self.blocking[tag] += 1
+        with self._lock:
+            self.bytes_sent[tag] += nbytes
+            self.ops[tag] += 1
+            if blocking:
+                self.blocking[tag] += 1
 
     def record_blocked(self, tag: str, seconds: float) -> None:
-        self.blocked_seconds[tag] += seconds
+        with self._lock:
+            self.blocked_seconds[tag] += seconds
 
     def total_bytes(self, include_bookkeeping: bool = False) -> int:
         return sum(v for k, v in self.bytes_sent.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)

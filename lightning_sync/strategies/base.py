@@ -131,6 +131,8 @@ class SyncStrategy(DDPStrategy):
         self._comm: Communicator | None = None
         self._flat: FlatState | None = None
         self._restored_state: dict[str, Any] | None = None
+        self._restored_per_rank = False
+        self._part_names: dict[str, str] = {}  # this rank's checkpoint path -> rank 0's, for its part's name
         self._dataloader_transforms: list[DataLoaderTransform] = []
         self.injector: DataInjector | None = injector
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
@@ -208,8 +210,10 @@ class SyncStrategy(DDPStrategy):
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
         assert self.model is not None
         self._flat = FlatState(self.model)
-        for tensor in self._flat.state_tensors():
-            self.comm.broadcast(tensor, src=0, tag="setup")
+        if not (self._restored_state is not None and self._restored_per_rank):
+            # start identical; a resume of per-rank replicas keeps each rank's own (loaded before setup)
+            for tensor in self._flat.state_tensors():
+                self.comm.broadcast(tensor, src=0, tag="setup")
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
             self._restored_state = None
@@ -387,14 +391,23 @@ class SyncStrategy(DDPStrategy):
         if self.replicas_diverge:
             part["state_dict"] = checkpoint.get("state_dict")
             part["optimizer_states"] = checkpoint.get("optimizer_states")
-        self.checkpoint_io.save_checkpoint(part, self.rank_file(filepath, self.global_rank))
+        # Name every part after rank 0's file: a file name with {step} differs between ranks whose step counts differ
+        # (asynchronous methods), and resume looks for <rank 0's file>.rank<r>. Removal maps back without a collective.
+        shared = str(filepath) if self.world_size == 1 else self.comm.broadcast_object(str(filepath), tag="checkpoint")
+        self._part_names[str(filepath)] = shared
+        self.checkpoint_io.save_checkpoint(part, self.rank_file(shared, self.global_rank))
         self.comm.barrier(tag="checkpoint")
+        checkpoint = self._main_file_checkpoint(checkpoint)
         checkpoint[_CKPT_KEY] = {
             "strategy": type(self).__name__,
             "world_size": self.world_size,
             "per_rank_model": self.replicas_diverge,
         }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What rank 0 writes to the main file (parameter-server methods put the global model there)."""
+        return checkpoint
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -423,7 +436,8 @@ class SyncStrategy(DDPStrategy):
                 f"checkpoint {checkpoint_path} is incomplete: rank {self.global_rank}'s part {part_path} is missing "
                 "(each rank's state is written beside the file; copy the .rankN files along with it)"
             ) from err
-        if saved.get("per_rank_model"):
+        self._restored_per_rank = bool(saved.get("per_rank_model"))
+        if self._restored_per_rank:
             checkpoint["state_dict"] = part["state_dict"]
             checkpoint["optimizer_states"] = part["optimizer_states"]
         self._restored_state = part["strategy_state"]
@@ -434,7 +448,7 @@ class SyncStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
-        part = self.rank_file(filepath, self.global_rank)
+        part = self.rank_file(self._part_names.pop(str(filepath), str(filepath)), self.global_rank)
         try:
             self.checkpoint_io.remove_checkpoint(part)
         except FileNotFoundError:
