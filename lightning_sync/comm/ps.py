@@ -1,0 +1,474 @@
+"""A sharded parameter server co-located with the workers, over ``torch.distributed`` gloo point-to-point.
+
+Every rank is a worker and serves the shards a :class:`~lightning_sync.core.ps.ShardPlan` gives it. Per rank:
+
+* the **server receiver** thread takes workers' messages (``recv`` from any source on the *push* group) and
+  applies them to this rank's :class:`~lightning_sync.core.ps.ShardServer`;
+* the **server sender** thread sends the replies the server decided on (global parameters, acknowledgements)
+  on the *pull* group, in order, so a slow receiver never stalls the receiver thread;
+* the **mailbox** thread receives this rank's replies (``recv`` from any source on the pull group) into one
+  inbox per server, which the training thread reads without blocking (ALADDIN) or waits on (ASP/SSP).
+
+One group per direction, so a worker's sends and a server's replies never queue behind each other; the training
+thread's collectives use the default group. Messages are byte tensors: a 32-byte header (kind, epoch, flag, α as
+float64) and, for parameter payloads, the packed shards. gloo sends complete when the receiver has taken them.
+A worker's messages to its own rank's server are applied in-process (nothing is sent). All tensors are CPU
+tensors (gloo), also when training on GPU.
+
+Shutdown: at fit end every worker flushes, all ranks meet, then every worker sends STOP to every other rank's
+server, which answers CLOSE and exits after the last STOP; a mailbox exits after the last CLOSE, and all threads
+are joined. On an exception nothing is waited for (threads are daemons; peers then fail on the closed
+connection, and launchers stop the other processes).
+
+Accounting goes to the rank's :class:`~lightning_sync.comm.accounting.CommStats`: ``push`` (worker → server
+payloads), ``pull`` (server → worker payloads, counted on the server's rank), ``ps_control`` (header-only
+messages) and ``work`` (work-assignment claims). Bytes are the message sizes actually sent; seconds blocked are
+the training thread's waits.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sync.comm.accounting import CommStats
+from lightning_sync.comm.communicator import Communicator
+from lightning_sync.comm.link import LinkModel
+from lightning_sync.core.ps import Reply, ShardPlan, ShardServer
+
+HEADER_BYTES = 32
+# worker -> server
+PUSH, FLUSH, DONE, STOP = 1, 2, 3, 4
+# server -> worker
+PARAMS, ACK, CLOSE = 11, 12, 13
+# the threads' receives wait for messages, never for a deadline: they are woken by STOP/CLOSE
+_THREAD_TIMEOUT = timedelta(days=7)
+
+
+def _header(buf: Tensor, kind: int, epoch: int = 0, flag: int = 0, alpha: float | None = None) -> None:
+    buf[:HEADER_BYTES].view(torch.float64).copy_(
+        torch.tensor([kind, epoch, flag, float("nan") if alpha is None else alpha], dtype=torch.float64)
+    )
+
+
+def _read_header(buf: Tensor) -> tuple[int, int, int, float | None]:
+    kind, epoch, flag, alpha = buf[:HEADER_BYTES].view(torch.float64).tolist()
+    return int(kind), int(epoch), int(flag), (None if alpha != alpha else alpha)
+
+
+def check_cpu(tensor: Tensor, what: str) -> None:
+    """The server groups are gloo on CPU tensors; anything else is an error, not a silent copy."""
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"the parameter server moves CPU tensors over gloo point-to-point; {what} is on {tensor.device}. "
+            "Stage it on the CPU first (the strategies do: NCCL has no any-source receive for a server to use)."
+        )
+
+
+class WorkCounter:
+    """Dynamic work assignment: one shared counter per epoch in a ``TCPStore`` hosted by rank 0.
+
+    ``claim(epoch)`` returns the next unclaimed batch position of that epoch (``add`` is atomic in the store), so
+    each position goes to exactly one rank and a faster rank claims more. ``exhaust(epoch)`` pushes the counter
+    past any dataset, ending the epoch on every rank at its next claim (used to stop all ranks on SIGTERM).
+    """
+
+    #: bytes of one ``add`` request in TCPStore's protocol: command byte, 8-byte key length, key, int64 value
+    @staticmethod
+    def request_bytes(key: str) -> int:
+        return 1 + 8 + len(key.encode()) + 8
+
+    def __init__(
+        self, comm: Communicator, host: str, stats: CommStats, timeout: timedelta, prefix: str = "work"
+    ) -> None:
+        self.stats = stats
+        self.prefix = prefix
+        self.rank = comm.rank
+        port = 0
+        master = None
+        if comm.rank == 0:
+            master = dist.TCPStore(host, 0, comm.world_size, True, timeout=timeout, wait_for_workers=False)
+            port = master.port
+        port = comm.broadcast_object(port, src=0, tag="setup")
+        self.store = (
+            master if master is not None else dist.TCPStore(host, port, comm.world_size, False, timeout=timeout)
+        )
+        self.claims: dict[int, int] = {}
+
+    def _key(self, epoch: int) -> str:
+        return f"{self.prefix}/{epoch}"
+
+    def claim(self, epoch: int) -> int:
+        key = self._key(epoch)
+        self.stats.record_launch("work", self.request_bytes(key), blocking=True)
+        start = time.perf_counter()
+        value = int(self.store.add(key, 1)) - 1
+        self.stats.record_blocked("work", time.perf_counter() - start)
+        self.claims[epoch] = self.claims.get(epoch, 0) + 1
+        return value
+
+    def exhaust(self, epoch: int) -> None:
+        key = self._key(epoch)
+        self.stats.record_launch("work", self.request_bytes(key), blocking=True)
+        self.store.add(key, 1 << 40)
+
+    def close(self) -> None:
+        self.store = None  # type: ignore[assignment]
+
+
+class ParameterServer:
+    """The transport and threads around this rank's :class:`ShardServer`, and the worker side of the protocol.
+
+    Args:
+        plan: the sharding, identical on every rank.
+        server: this rank's server (its ``params`` are this rank's packed shards).
+        stats: the rank's accounting.
+        link: optional link emulation: the receiving thread delays each message by ``latency + bytes/bandwidth``.
+        timeout: how long the training thread waits for a reply or acknowledgement before raising.
+        dtype: element type of the payloads.
+
+    Every rank must construct it at the same point (it creates two process groups).
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        server: ShardServer,
+        stats: CommStats,
+        link: LinkModel | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ParameterServer needs an initialised torch.distributed default process group")
+        check_cpu(server.params, "the server's parameters")
+        self.plan = plan
+        self.server = server
+        self.stats = stats
+        self.link = link
+        self.timeout = timeout
+        self.dtype = dtype
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if plan.world_size != self.world_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks, the world has {self.world_size}")
+        self.elsize = torch.empty((), dtype=dtype).element_size()
+        self.servers = plan.servers()
+        self.remote_servers = [s for s in self.servers if s != self.rank]
+        self.peers = [r for r in range(self.world_size) if r != self.rank]
+        # one group per direction (gloo also when the default group is NCCL)
+        self.push_group = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=_THREAD_TIMEOUT)
+        self.pull_group = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=_THREAD_TIMEOUT)
+        self._server_lock = threading.Lock()
+        # worker side: send buffers per remote server, inbox per server
+        self._send_bufs = {
+            s: torch.empty(HEADER_BYTES + plan.numel(s) * self.elsize, dtype=torch.uint8) for s in self.servers
+        }
+        self._ctrl_bufs = {s: torch.empty(HEADER_BYTES, dtype=torch.uint8) for s in self.peers}
+        self._pending_sends: list[tuple[Any, str, int]] = []
+        self._inbox = {s: torch.empty(plan.numel(s), dtype=dtype) for s in self.servers}
+        self._inbox_alpha: dict[int, float | None] = {}
+        self._inbox_new: set[int] = set()
+        self._acks = 0
+        self._closes = 0
+        self._mail = threading.Condition()
+        self.params_received = {s: 0 for s in self.servers}
+        self.pushes = 0
+        # server side
+        self._outbox: queue.Queue[tuple[int, int, Tensor | None, float | None] | None] = queue.Queue()
+        self._stops = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._guard(self._serve), name=f"ps-server-{self.rank}", daemon=True),
+            threading.Thread(target=self._guard(self._send_replies), name=f"ps-sender-{self.rank}", daemon=True),
+            threading.Thread(target=self._guard(self._receive_mail), name=f"ps-mailbox-{self.rank}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ threads
+    def _guard(self, fn: Any) -> Any:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread
+                if not self._closed:
+                    self._error = err
+                with self._mail:
+                    self._mail.notify_all()
+
+        return run
+
+    def _delay(self, nbytes: int) -> None:
+        if self.link is not None:
+            time.sleep(self.link.delay(nbytes))
+
+    def _serve(self) -> None:
+        size = HEADER_BYTES + self.plan.numel(self.rank) * self.elsize
+        buf = torch.empty(max(size, HEADER_BYTES), dtype=torch.uint8)
+        payload = buf[HEADER_BYTES:size].view(self.dtype)
+        while self._stops < len(self.peers):
+            work = dist.irecv(buf, src=None, group=self.push_group)
+            work.wait()
+            src = work.source_rank()
+            kind, epoch, flag, _ = _read_header(buf)
+            self._delay(size if kind == PUSH else HEADER_BYTES)
+            if kind == PUSH:
+                with self._server_lock:
+                    replies = self.server.push(src, payload, epoch, want_reply=bool(flag))
+                    self._dispatch(replies)
+            elif kind == DONE:
+                with self._server_lock:
+                    self._dispatch(self.server.finish_epoch(src, epoch))
+            elif kind == FLUSH:
+                self._outbox.put((src, ACK, None, None))
+            elif kind == STOP:
+                self._stops += 1
+                self._outbox.put((src, CLOSE, None, None))
+            else:
+                raise RuntimeError(f"parameter server on rank {self.rank}: unknown message kind {kind} from {src}")
+        self._outbox.put(None)
+
+    def _dispatch(self, replies: list[Reply]) -> None:
+        """Called with the server lock held: hand each reply a snapshot of the global parameters."""
+        for reply in replies:
+            if reply.worker == self.rank:
+                with self._mail:
+                    self.server.view(out=self._inbox[self.rank])
+                    self._deliver(self.rank, reply.alpha)
+            else:
+                self._outbox.put((reply.worker, PARAMS, self.server.view(), reply.alpha))
+
+    def _send_replies(self) -> None:
+        numel = self.plan.numel(self.rank)
+        buf = torch.empty(HEADER_BYTES + numel * self.elsize, dtype=torch.uint8)
+        payload = buf[HEADER_BYTES:].view(self.dtype)
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            worker, kind, params, alpha = item
+            _header(buf, kind, alpha=alpha)
+            if kind == PARAMS:
+                assert params is not None
+                payload.copy_(params)
+                msg, tag = buf, "pull"
+            else:
+                msg, tag = buf[:HEADER_BYTES], "ps_control"
+            self.stats.record_launch(tag, msg.numel(), blocking=False)
+            dist.send(msg, dst=worker, group=self.pull_group)
+
+    def _receive_mail(self) -> None:
+        largest = max([self.plan.numel(s) for s in self.remote_servers], default=0)
+        buf = torch.empty(HEADER_BYTES + largest * self.elsize, dtype=torch.uint8)
+        while self._closes < len(self.peers):
+            work = dist.irecv(buf, src=None, group=self.pull_group)
+            work.wait()
+            src = work.source_rank()
+            kind, _, _, alpha = _read_header(buf)
+            if kind == PARAMS:
+                numel = self.plan.numel(src)
+                self._delay(HEADER_BYTES + numel * self.elsize)
+                with self._mail:
+                    self._inbox[src].copy_(buf[HEADER_BYTES : HEADER_BYTES + numel * self.elsize].view(self.dtype))
+                    self._deliver(src, alpha)
+                continue
+            self._delay(HEADER_BYTES)
+            with self._mail:
+                if kind == ACK:
+                    self._acks += 1
+                elif kind == CLOSE:
+                    self._closes += 1
+                else:
+                    raise RuntimeError(f"worker on rank {self.rank}: unknown message kind {kind} from {src}")
+                self._mail.notify_all()
+
+    def _deliver(self, server: int, alpha: float | None) -> None:
+        """With ``_mail`` held: the inbox of ``server`` holds new global parameters."""
+        self._inbox_alpha[server] = alpha
+        self._inbox_new.add(server)
+        self.params_received[server] += 1
+        self._mail.notify_all()
+
+    # ------------------------------------------------------------------ worker side (training thread)
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"parameter server thread on rank {self.rank} failed: {self._error!r}") from self._error
+        bad = [t.name for t in self._threads if not t.is_alive()]
+        if bad and self.peers and not self._closed:
+            raise RuntimeError(f"parameter server threads {bad} on rank {self.rank} stopped unexpectedly")
+
+    def _wait_sends(self) -> None:
+        if not self._pending_sends:
+            return
+        start = time.perf_counter()
+        for work, _, _ in self._pending_sends:
+            work.wait(self.timeout)
+        self.stats.record_blocked(self._pending_sends[0][1], time.perf_counter() - start)
+        self._pending_sends.clear()
+
+    def push(self, delta: Tensor, epoch: int, want_reply: bool, wait: bool) -> None:
+        """Send this worker's ``delta`` (the whole flat vector, CPU) to every server; with ``want_reply`` each
+        server answers with its global parameters (see :meth:`wait_params`). ``wait=False`` returns with the sends
+        in flight (ALADDIN): they are completed before the next message reuses the buffers."""
+        check_cpu(delta, "the pushed delta")
+        self._check()
+        self._wait_sends()
+        self.pushes += 1
+        for s in self.remote_servers:
+            buf = self._send_bufs[s]
+            _header(buf, PUSH, epoch, int(want_reply))
+            self.plan.gather(delta, s, out=buf[HEADER_BYTES:].view(self.dtype))
+            self.stats.record_launch("push", buf.numel(), blocking=wait)
+            self._pending_sends.append((dist.isend(buf, dst=s, group=self.push_group), "push", s))
+        if self.rank in self.servers:
+            local = self.plan.gather(delta, self.rank)
+            with self._server_lock:
+                self._dispatch(self.server.push(self.rank, local, epoch, want_reply))
+        if wait:
+            self._wait_sends()
+
+    def wait_params(self) -> None:
+        """Block until every server's reply to the last push has arrived (ASP, SSP)."""
+        self._wait_mail(lambda: len(self._inbox_new) == len(self.servers), "pull", "global parameters")
+
+    def _wait_mail(self, ready: Any, tag: str, what: str) -> None:
+        start = time.perf_counter()
+        deadline = start + self.timeout.total_seconds()
+        with self._mail:
+            while not ready():
+                self._check()
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(
+                        f"rank {self.rank} waited {self.timeout} for {what} from the parameter servers "
+                        f"(received from {sorted(self._inbox_new)} of {self.servers})"
+                    )
+                self._mail.wait(timeout=1.0)
+        self.stats.record_blocked(tag, time.perf_counter() - start)
+
+    def take_params(self, flat: Tensor, alpha: float | None = None) -> list[tuple[int, float | None]]:
+        """Apply every server reply that has arrived to ``flat`` (CPU) and return ``(server, α)`` for each: replace
+        the shards (α ``None`` in the reply and no ``alpha`` given) or mix them in, x ← (1−α)x + αx̃, with the
+        reply's α or, when given, ``alpha``. Never blocks."""
+        check_cpu(flat, "the worker's parameters")
+        applied: list[tuple[int, float | None]] = []
+        with self._mail:
+            for s in sorted(self._inbox_new):
+                a = alpha if alpha is not None else self._inbox_alpha.get(s)
+                shards = self._inbox[s]
+                offset = 0
+                for start, end in self.plan.owned(s):
+                    target = flat[start:end]
+                    part = shards[offset : offset + end - start]
+                    if a is None:
+                        target.copy_(part)
+                    else:
+                        target.mul_(1.0 - a).add_(part, alpha=a)
+                    offset += end - start
+                applied.append((s, a))
+            self._inbox_new.clear()
+        return applied
+
+    def finish_epoch(self, epoch: int) -> None:
+        """This worker found the epoch's data consumed (SSP stops counting it as training for that epoch)."""
+        self._check()
+        self._wait_sends()
+        for s in self.remote_servers:
+            self._control(s, DONE, epoch)
+        if self.rank in self.servers:
+            with self._server_lock:
+                self._dispatch(self.server.finish_epoch(self.rank, epoch))
+
+    def _control(self, dst: int, kind: int, epoch: int = 0) -> None:
+        buf = self._ctrl_bufs[dst]
+        _header(buf, kind, epoch)
+        self.stats.record_launch("ps_control", HEADER_BYTES, blocking=True)
+        dist.isend(buf, dst=dst, group=self.push_group).wait(self.timeout)
+
+    def flush(self) -> None:
+        """Return once every server has applied every message this worker sent (replies sent before are in the
+        inbox). Collective-free; call it on all ranks and then meet (barrier) for a consistent global state."""
+        self._check()
+        self._wait_sends()
+        with self._mail:
+            expected = self._acks + len(self.remote_servers)
+        for s in self.remote_servers:
+            self._control(s, FLUSH)
+        self._wait_mail(lambda: self._acks >= expected, "ps_control", "flush acknowledgements")
+
+    def global_params(self, comm: Communicator, out: Tensor, tag: str) -> Tensor:
+        """All-gather every rank's shards (including accumulated, not yet applied updates) into ``out`` (CPU).
+        A collective: call it on every rank after :meth:`flush` and a barrier."""
+        check_cpu(out, "the gathered parameters")
+        largest = max(self.plan.numel(r) for r in range(self.world_size))
+        mine = torch.zeros(max(largest, 1), dtype=self.dtype)
+        numel = self.plan.numel(self.rank)
+        if numel:
+            with self._server_lock:
+                self.server.view(out=mine[:numel])
+        gathered = comm.all_gather(mine, tag=tag)
+        for r in self.servers:
+            self.plan.scatter(gathered[r, : self.plan.numel(r)], r, out)
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        with self._server_lock:
+            state = self.server.state_dict()
+        state["pushes"] = self.pushes
+        state["params_received"] = dict(self.params_received)
+        with self._mail:  # global parameters that arrived and are not applied yet (ALADDIN)
+            state["inbox"] = {s: (self._inbox[s].clone(), self._inbox_alpha.get(s)) for s in self._inbox_new}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._server_lock:
+            self.server.load_state_dict(state)
+        self.pushes = state.get("pushes", 0)
+        self.params_received.update(state.get("params_received", {}))
+        with self._mail:
+            for s, (params, alpha) in state.get("inbox", {}).items():
+                self._inbox[s].copy_(params)
+                self._inbox_alpha[s] = alpha
+                self._inbox_new.add(s)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, comm: Communicator, join_timeout: float = 30.0) -> None:
+        """Clean shutdown, on every rank together: flush, meet, STOP every peer's server, join the threads,
+        destroy the two groups."""
+        if self._closed:
+            return
+        self.flush()
+        comm.barrier(tag="ps_control")
+        for peer in self.peers:
+            self._control(peer, STOP)
+        if not self.peers:
+            self._outbox.put(None)
+        self._closed = True
+        deadline = time.monotonic() + join_timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            raise RuntimeError(
+                f"parameter server threads {alive} on rank {self.rank} did not stop within {join_timeout} s"
+            )
+        comm.barrier(tag="ps_control")  # every peer has stopped using the groups
+        dist.destroy_process_group(self.push_group)
+        dist.destroy_process_group(self.pull_group)
+
+    def abandon(self) -> None:
+        """After an exception: stop without waiting for peers (the daemon threads end with the process)."""
+        self._closed = True
+
+    @property
+    def threads_alive(self) -> list[str]:
+        return [t.name for t in self._threads if t.is_alive()]
