@@ -7,11 +7,14 @@ strategy names with Lightning.
 from lightning_sync.comm import CommStats, LinkModel
 from lightning_sync.strategies import (
     ADPSGDStrategy,
+    ALADDINStrategy,
+    ASPStrategy,
     BSPStrategy,
     FedAvgStrategy,
     LocalSGDStrategy,
     OSPStrategy,
     SelSyncStrategy,
+    SSPStrategy,
     SyncStrategy,
 )
 
@@ -19,6 +22,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADPSGDStrategy",
+    "ALADDINStrategy",
+    "ASPStrategy",
     "BSPStrategy",
     "CommStats",
     "FedAvgStrategy",
@@ -26,6 +31,7 @@ __all__ = [
     "LocalSGDStrategy",
     "OSPStrategy",
     "SelSyncStrategy",
+    "SSPStrategy",
     "SyncStrategy",
     "__version__",
 ]

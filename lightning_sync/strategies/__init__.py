@@ -6,12 +6,16 @@ Importing this package registers every strategy name in Lightning's ``StrategyRe
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_sync.strategies.adpsgd import ADPSGDStrategy
+from lightning_sync.strategies.aladdin import ALADDINStrategy
+from lightning_sync.strategies.asp import ASPStrategy
 from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.bsp import BSPStrategy
 from lightning_sync.strategies.fedavg import FedAvgStrategy
 from lightning_sync.strategies.localsgd import LocalSGDStrategy
 from lightning_sync.strategies.osp import OSPStrategy
+from lightning_sync.strategies.ps import ParameterServerStrategy
 from lightning_sync.strategies.selsync import SelSyncStrategy
+from lightning_sync.strategies.ssp import SSPStrategy
 
 STRATEGIES: tuple[type[SyncStrategy], ...] = (
     BSPStrategy,
@@ -20,6 +24,9 @@ STRATEGIES: tuple[type[SyncStrategy], ...] = (
     FedAvgStrategy,
     ADPSGDStrategy,
     OSPStrategy,
+    ASPStrategy,
+    SSPStrategy,
+    ALADDINStrategy,
 )
 
 for _cls in STRATEGIES:
@@ -27,10 +34,14 @@ for _cls in STRATEGIES:
 
 __all__ = [
     "ADPSGDStrategy",
+    "ALADDINStrategy",
+    "ASPStrategy",
     "BSPStrategy",
     "FedAvgStrategy",
     "LocalSGDStrategy",
     "OSPStrategy",
+    "ParameterServerStrategy",
+    "SSPStrategy",
     "STRATEGIES",
     "SelSyncStrategy",
     "SyncStrategy",

@@ -1,0 +1,351 @@
+"""The Lightning glue shared by the parameter-server strategies (ASP, SSP, ALADDIN).
+
+Each rank trains its own replica with its own optimizer (LR schedule, momentum, weight decay), pushes what the
+optimizer changed to a sharded parameter server co-located on the ranks (:mod:`lightning_sync.comm.ps`), and takes
+back global parameters as its method says. Ranks never meet during an epoch: there is no collective per step.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_sync.comm.ps import ParameterServer, WorkCounter
+from lightning_sync.core.ps import ShardPlan, ShardServer
+from lightning_sync.core.validation import check_int
+from lightning_sync.data.dynamic import dynamic_loader
+from lightning_sync.strategies.base import SyncStrategy
+
+
+class ParameterServerStrategy(SyncStrategy):
+    """Base of :class:`ASPStrategy`, :class:`SSPStrategy` and :class:`ALADDINStrategy`.
+
+    * **Server**: the flat vector of parameters and floating buffers is cut into shards of at most ``shard_size``
+      elements spread over the ranks (memory-wise sharding, ALADDIN §3.3); every rank runs server threads for its
+      shards, over gloo point-to-point on CPU tensors, one process group per direction.
+    * **Worker**: after its own optimizer step a rank pushes its delta ``x_after − x_before`` (what its optimizer
+      did, so any optimizer works) to every server and takes global parameters back per its method
+      (:meth:`_exchange`).
+    * **Dynamic work assignment**: within an epoch every rank draws the next batch of one global, per-epoch shuffled
+      order from a counter shared through a ``TCPStore`` (:class:`~lightning_sync.data.DynamicBatchSampler`), so a
+      faster rank processes more batches and the epoch ends on every rank when the data is consumed. The training
+      loader therefore has no length (Lightning validates at the end of each epoch).
+    * **Meeting points**: ranks meet once per epoch when their data runs out (SIGTERM is checked there: a signal
+      on any rank ends the epoch on all of them, then stops all together), and at validation, checkpoints and
+      the end of fit. Each meeting flushes every rank's pushes, so **validation, checkpoints and the model fit hands
+      back see the global model** (the servers' parameters); each rank's own replica and optimizer state are kept
+      beside the checkpoint and restored on resume with the server state and clocks.
+
+    Lightning features that would make ranks at different step counts meet are rejected at setup with the reason:
+    ``val_check_interval`` other than 1.0 or ``check_val_every_n_epoch=None``, ``ModelCheckpoint`` every N training
+    steps or every time interval, ``max_time`` / a step-interval ``Timer``, fractional ``limit_train_batches``;
+    and at run time, any collective Lightning issues inside a training batch (``self.log(..., sync_dist=True,
+    on_step=True)``) raises, saying to log ``on_epoch`` or without ``sync_dist``. ``EarlyStopping`` and
+    epoch-based ``ModelCheckpoint`` work. ``injection`` and :class:`~lightning_sync.callbacks.SelDP` are not
+    available (batches come from the shared order).
+
+    Args:
+        shard_size: largest shard, in elements (>= 1). Default 2**22 (16 MiB of float32).
+    """
+
+    mode: ClassVar[str] = "asp"
+    replicas_diverge = True
+    carries_sigterm = True
+    supports_accumulation = True
+
+    def __init__(self, shard_size: int = 1 << 22, **kwargs: Any) -> None:
+        self.shard_size = check_int("shard_size", shard_size, 1)
+        if kwargs.get("injection") is not None:
+            raise ValueError(
+                f"injection is not supported by {type(self).__name__}: with dynamic work assignment every rank draws "
+                "batches from one shared order, so there is no per-rank partition to inject into. Use injection with "
+                "BSP, SelSync, local SGD, FedAvg, ADPSGD or OSP."
+            )
+        super().__init__(**kwargs)
+        self._ps: ParameterServer | None = None
+        self._work: WorkCounter | None = None
+        self._prev: Tensor | None = None
+        self._delta: Tensor | None = None
+        self._host: Tensor | None = None
+        self._replica: Tensor | None = None
+        self._pending_ps_state: dict[str, Any] | None = None
+        self._sigterm_seen = False
+        self.exhausted_epochs = 0
+
+    # ------------------------------------------------------------------ setup checks
+    def _check_supported(self, trainer: pl.Trainer) -> None:
+        super()._check_supported(trainer)
+        name = type(self).__name__
+        why = f"{name} lets ranks run different numbers of steps, so they only meet at the end of an epoch"
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.val_check_interval != 1.0 or trainer.check_val_every_n_epoch is None:
+            raise ValueError(
+                f"{name} does not support val_check_interval={trainer.val_check_interval!r} with "
+                f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r}: {why}. Validate at the end of "
+                "epochs (val_check_interval=1.0, check_val_every_n_epoch=N)."
+            )
+        limit = trainer.limit_train_batches
+        if isinstance(limit, float) and limit != 1.0:
+            raise ValueError(
+                f"{name} does not support a fractional limit_train_batches={limit}: the training loader is drawn "
+                "dynamically and has no length. Use an integer (batches per rank) or a smaller dataset."
+            )
+        for cb in trainer.callbacks:
+            if isinstance(cb, ModelCheckpoint) and (cb._every_n_train_steps or cb._train_time_interval is not None):
+                raise ValueError(
+                    f"{name} does not support ModelCheckpoint(every_n_train_steps=..., train_time_interval=...): "
+                    f"{why}, and a checkpoint is a collective. Use ModelCheckpoint(every_n_epochs=N) (the default)."
+                )
+            if isinstance(cb, Timer) and cb._interval == "step":
+                raise ValueError(
+                    f"{name} does not support max_time or Timer(interval='step'): the timer's stop decision is a "
+                    f"collective every step, and {why}. Use Timer(interval='epoch') or max_epochs/max_steps."
+                )
+
+    def add_dataloader_transform(self, transform: Any) -> None:
+        raise ValueError(
+            f"{type(self).__name__} assigns batches dynamically from one shared order; a sampler transform such as "
+            "SelDP cannot apply. Use SelDP with BSP or SelSync."
+        )
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and self._work is not None:
+            dataloader = dynamic_loader(dataloader, claim=self._work.claim, on_exhausted=self._on_exhausted)
+        return dataloader
+
+    def _on_exhausted(self, epoch: int) -> None:
+        """This rank found the epoch's data consumed: stop holding SSP back, then meet the other ranks (they all
+        reach this point once the shared counter is past the end) and stop together on SIGTERM."""
+        self.exhausted_epochs += 1
+        assert self._ps is not None
+        self._ps.finish_epoch(epoch)
+        flag = torch.tensor([self._sigterm_flag()], device=self._comm_device())
+        self.comm.all_reduce(flag, op="max", tag="lightning")
+        if flag.item() > 0:
+            raise SIGTERMException()
+
+    # ------------------------------------------------------------------ server lifecycle
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.cluster_environment is not None
+        self._work = WorkCounter(
+            self.comm, self.cluster_environment.main_address, self.comm_stats, timeout=self._timeout
+        )
+
+    def _on_flat_ready(self) -> None:
+        tensors = self.flat.state_tensors()
+        if len(tensors) != 1:
+            raise ValueError(
+                f"{type(self).__name__} serves one flat vector of one dtype on one device; this model's parameters "
+                f"and floating buffers form {len(tensors)} groups ({[(t.dtype, t.device.type) for t in tensors]}). "
+                "Cast the module to a single dtype (precision plugins such as bf16-mixed keep float32 weights)."
+            )
+        state = tensors[0]
+        self._host = state if state.device.type == "cpu" else torch.empty(state.numel(), dtype=state.dtype)
+        if self._host is not state:
+            self._host.copy_(state)
+        plan = ShardPlan(state.numel(), self.world_size, self.shard_size)
+        server = ShardServer(plan.gather(self._host, self.global_rank), self.world_size, **self._server_kwargs())
+        self._ps = ParameterServer(
+            plan, server, self.comm_stats, self.link, timeout=self._wait_timeout, dtype=state.dtype
+        )
+        if self._pending_ps_state is not None:
+            self._ps.load_state_dict(self._pending_ps_state)
+            self._pending_ps_state = None
+        self._prev = state.detach().clone()
+        self._delta = torch.empty_like(state)
+
+    def _server_kwargs(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+    @property
+    def ps(self) -> ParameterServer:
+        if self._ps is None:
+            raise RuntimeError(f"{type(self).__name__} has no parameter server before setup() while fitting")
+        return self._ps
+
+    @property
+    def _wait_timeout(self) -> timedelta:
+        return self._timeout if self._timeout is not None else default_pg_timeout
+
+    # ------------------------------------------------------------------ the step
+    def _after_update(self, optimizer: Optimizer) -> None:
+        state = self.flat.state_tensors()[0]
+        assert self._prev is not None and self._delta is not None and self._host is not None
+        torch.sub(state, self._prev, out=self._delta)
+        delta = self._delta if self._delta.device.type == "cpu" else self._delta.cpu()
+        epoch = self.lightning_module.trainer.current_epoch
+        synced = self._exchange(delta, epoch)
+        self._prev.copy_(state)
+        self.step_counter.record(synced)
+        if self._sigterm_flag() and not self._sigterm_seen and self._work is not None:
+            self._sigterm_seen = True
+            self._work.exhaust(epoch)  # every rank's epoch ends at its next claim; they stop at the meeting
+
+    def _exchange(self, delta: Tensor, epoch: int) -> bool:
+        """Push ``delta`` and take global parameters per the method; return whether any arrived this step."""
+        raise NotImplementedError
+
+    def _take(self, alpha: float | None = None) -> bool:
+        """Apply the replies that arrived (replace, or mix with α) to this rank's replica."""
+        state = self.flat.state_tensors()[0]
+        assert self._host is not None
+        if self._host is not state:
+            self._host.copy_(state)
+        applied = self.ps.take_params(self._host, alpha=alpha)
+        if applied and self._host is not state:
+            state.copy_(self._host)
+        return bool(applied)
+
+    # ------------------------------------------------------------------ the global model at meeting points
+    def _gather_global(self, tag: str) -> Tensor:
+        """Flush every rank's pushes, meet, and all-gather the servers' parameters (a collective)."""
+        state = self.flat.state_tensors()[0]
+        out = torch.empty(state.numel(), dtype=state.dtype)
+        self.ps.flush()
+        self.comm.barrier(tag=tag)
+        return self.ps.global_params(self.comm, out, tag=tag)
+
+    def _swap_in_global(self, tag: str) -> None:
+        state = self.flat.state_tensors()[0]
+        global_ = self._gather_global(tag)
+        self._replica = state.detach().clone()
+        state.copy_(global_)
+
+    def _swap_back(self) -> None:
+        if self._replica is not None:
+            self.flat.state_tensors()[0].copy_(self._replica)
+            self._replica = None
+
+    def _fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self._ps is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._fitting():
+            self._swap_in_global("global")
+
+    def on_validation_end(self) -> None:
+        if self._fitting():
+            self._swap_back()
+        super().on_validation_end()
+
+    def on_train_end(self) -> None:
+        if self._ps is not None:
+            state = self.flat.state_tensors()[0]
+            state.copy_(self._gather_global("final"))  # fit hands back the global model
+            self._prev = None
+            self._ps.close(self.comm)
+        super().on_train_end()
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self._ps is not None:
+            self._ps.abandon()
+        super().on_exception(exception)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The main checkpoint file holds the global model; each rank's replica goes to its part."""
+        if self._ps is None or self._ps._closed:
+            return checkpoint
+        self._swap_in_global("checkpoint")
+        try:
+            global_sd = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
+        finally:
+            self._swap_back()
+        return {**checkpoint, "state_dict": global_sd}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._ps is not None and not self._ps._closed:
+            self._ps.flush()  # the server state in every part includes every push made before the checkpoint
+            self.comm.barrier(tag="checkpoint")
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            # validate/test/predict from a checkpoint evaluate the global model in the main file
+            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def strategy_state(self) -> dict[str, Any]:
+        state = super().strategy_state()
+        state["ps"] = self.ps.state_dict()
+        state["exhausted_epochs"] = self.exhausted_epochs
+        return state
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state(state)
+        self.exhausted_epochs = int(state.get("exhausted_epochs", 0))
+        if self._ps is not None:
+            self._ps.load_state_dict(state["ps"])
+        else:
+            self._pending_ps_state = state["ps"]
+
+    # ------------------------------------------------------------------ metrics
+    def sync_metrics(self) -> dict[str, float]:
+        metrics = super().sync_metrics()
+        if self._ps is not None:
+            metrics["ps_pushes"] = float(self._ps.pushes)
+            metrics["ps_params_received"] = float(sum(self._ps.params_received.values()))
+        if self._work is not None and self.lightning_module is not None:
+            metrics["batches_claimed"] = float(self._work.claims.get(self.lightning_module.trainer.current_epoch, 0))
+        return metrics
+
+    # ------------------------------------------------------------------ Lightning's collectives
+    def _mid_batch(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._ps is None or trainer is None or not trainer.training:
+            return False
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return progress.ready > progress.completed
+
+    def _refuse_mid_batch(self, what: str) -> None:
+        if self._mid_batch():
+            raise RuntimeError(
+                f"{what} inside a training batch with {type(self).__name__}: ranks run different numbers of batches, "
+                "so a collective per batch would pair different steps or hang. Log with on_step=False/on_epoch=True or "
+                "without sync_dist, and move per-step collectives to epoch ends."
+            )
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        self._refuse_mid_batch("A collective reduce (e.g. self.log(..., sync_dist=True, on_step=True))")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_mid_batch("A barrier")
+        super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._refuse_mid_batch("A broadcast (e.g. a callback deciding something every step)")
+        return super().broadcast(obj, src)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        self._refuse_mid_batch("An all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        if self._ps is not None:
+            self._ps.abandon()  # closed cleanly at train end; this is the exception path
+            self._ps = None
+        if self._work is not None:
+            self._work.close()
+            self._work = None
+        self._prev = self._delta = self._host = self._replica = None
+        super().teardown()
