@@ -81,6 +81,8 @@ class ParameterServerStrategy(SyncStrategy):
         self._pending_ps_state: dict[str, Any] | None = None
         self._sigterm_seen = False
         self.exhausted_epochs = 0
+        #: after fit: this rank's final server and worker counters (pushes, parameters received, SSP clock log, ...)
+        self.server_summary: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ setup checks
     def _check_supported(self, trainer: pl.Trainer) -> None:
@@ -251,6 +253,15 @@ class ParameterServerStrategy(SyncStrategy):
             state.copy_(self._gather_global("final"))  # fit hands back the global model
             self._prev = None
             self._ps.close(self.comm)
+            self.server_summary = {
+                "pushes": self._ps.pushes,
+                "params_received": dict(self._ps.params_received),
+                "clocks": list(self._ps.server.clocks),
+                "replies": list(self._ps.server.replies),
+                "global_updates": self._ps.server.global_updates,
+                "pull_log": list(self._ps.server.pull_log),
+                "batches_claimed": dict(self._work.claims) if self._work is not None else {},
+            }
         super().on_train_end()
 
     def on_exception(self, exception: BaseException) -> None:
@@ -296,6 +307,10 @@ class ParameterServerStrategy(SyncStrategy):
             self._ps.load_state_dict(state["ps"])
         else:
             self._pending_ps_state = state["ps"]
+
+    def batches_claimed(self, epoch: int) -> int:
+        """Batches this rank claimed in ``epoch`` (including the one claim that found the data consumed)."""
+        return self._work.claims.get(epoch, 0) if self._work is not None else 0
 
     # ------------------------------------------------------------------ metrics
     def sync_metrics(self) -> dict[str, float]:
