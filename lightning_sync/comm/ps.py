@@ -354,6 +354,11 @@ class ParameterServer:
                 self._mail.wait(timeout=1.0)
         self.stats.record_blocked(tag, time.perf_counter() - start)
 
+    def has_params(self) -> bool:
+        """Whether any server's global parameters arrived and were not taken yet (never blocks)."""
+        with self._mail:
+            return bool(self._inbox_new)
+
     def take_params(self, flat: Tensor, alpha: float | None = None) -> list[tuple[int, float | None]]:
         """Apply every server reply that has arrived to ``flat`` (CPU) and return ``(server, α)`` for each: replace
         the shards (α ``None`` in the reply and no ``alpha`` given) or mix them in, x ← (1−α)x + αx̃, with the

@@ -206,6 +206,8 @@ class ParameterServerStrategy(SyncStrategy):
         """Apply the replies that arrived (replace, or mix with α) to this rank's replica."""
         state = self.flat.state_tensors()[0]
         assert self._host is not None
+        if not self.ps.has_params():
+            return False
         if self._host is not state:
             self._host.copy_(state)
         applied = self.ps.take_params(self._host, alpha=alpha)
