@@ -101,8 +101,8 @@ def test_aladdin_accumulates_lazily_and_replies_every_period_pushes_of_a_worker(
             else:
                 assert torch.equal(server.params, before)  # lazy: nothing applied between triggers
     assert sent == {0: 12 // period, 1: 12 // period}
-    # the view includes what is accumulated but not applied: every push counted exactly once
-    assert torch.equal(server.view(), torch.full((2,), 24.0))
+    # the view includes what is accumulated but not applied: every push counted exactly once, with weight 1/n
+    assert torch.equal(server.view(), torch.full((2,), 24.0 / n))
 
 
 def test_aladdin_per_push_alpha_is_one_minus_inverse_sqrt_of_accumulated_pushes():
@@ -111,7 +111,7 @@ def test_aladdin_per_push_alpha_is_one_minus_inverse_sqrt_of_accumulated_pushes(
     assert server.push(1, torch.ones(1), 0, False) == []  # c~=2, c_1=1
     (reply,) = server.push(1, torch.ones(1), 0, False)  # c~=3, c_1=2: lazy update, alpha_1 = 1 - 1/sqrt(3)
     assert reply.worker == 1 and reply.alpha == pytest.approx(1 - 1 / math.sqrt(3))
-    assert float(server.params) == 3.0 and server.pushes_since_update == 0
+    assert float(server.params) == 1.5 and server.pushes_since_update == 0  # (1 + 1 + 1) / n
     (reply,) = server.push(0, torch.ones(1), 0, False)  # c~=1 since the update, c_0=2
     assert reply.worker == 0 and reply.alpha == 0.0
 
