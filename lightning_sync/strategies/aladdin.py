@@ -14,9 +14,9 @@ from lightning_sync.strategies.ps import ParameterServerStrategy
 class ALADDINStrategy(ParameterServerStrategy):
     """Workers never wait: every step a worker applies its own update (local self-update, Alg. 1 line 3) and sends
     it to the servers without waiting for anything back (line 4, asymmetric). The servers accumulate the deltas and
-    apply them lazily, with weight 1/n so the global model is the workers' average (Alg. 2 lines 6, 8; Lemma 1 —
-    see :class:`~lightning_sync.core.ps.ShardServer`) when a worker's ``period``-th push since its last update arrives, and
-    then send that worker the global parameters (line 10); the worker mixes them in,
+    apply them lazily, with weight 1/n so the global model is the workers' average (Alg. 2 lines 6, 8; Lemma 1; see
+    :class:`~lightning_sync.core.ps.ShardServer`), when a worker's ``period``-th push since its last update arrives,
+    and then send that worker the global parameters (line 10); the worker mixes them in,
     x ← (1 − α)·x + α·x̃ (Eq. 3, Alg. 1 line 6), at the first step after they arrive, checked without blocking.
 
     The sends of one step are still in flight during the next step's compute; the next push waits for them (a
