@@ -19,3 +19,14 @@ def _restore_distributed_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """A torchrun-like environment of one process: Lightning launches nothing and trains in this process."""
+    from launch import free_port
+
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", NODE_RANK="0"
+    ).items():
+        monkeypatch.setenv(key, value)

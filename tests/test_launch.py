@@ -78,17 +78,6 @@ def test_bsp_yaml_parses():
     assert isinstance(cli.model, DigitsCNN) and isinstance(cli.datamodule, DigitsDataModule)
 
 
-@pytest.fixture
-def single_process(monkeypatch):
-    """A torchrun-like environment of one process: Lightning launches nothing and trains in this process."""
-    from launch import free_port
-
-    for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", NODE_RANK="0"
-    ).items():
-        monkeypatch.setenv(key, value)
-
-
 def _fit_local(strategy, model=None, **kw):
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=3, limit_val_batches=0, **_quiet(**kw)

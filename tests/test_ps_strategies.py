@@ -263,16 +263,6 @@ def test_exception_on_one_rank_ends_all_ranks_with_that_error():
 
 
 # ----------------------------------------------------------------------------------------------- rejected at setup
-@pytest.fixture
-def single_process(monkeypatch):
-    from launch import free_port
-
-    for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", NODE_RANK="0"
-    ).items():
-        monkeypatch.setenv(key, value)
-
-
 def _fit_local(strategy, model=None, callbacks=(), **kw):
     kw.setdefault("limit_val_batches", 0)
     trainer = pl.Trainer(
