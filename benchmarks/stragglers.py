@@ -3,6 +3,7 @@
     python benchmarks/stragglers.py                # 4 processes, 3 repeats: about 5 minutes on 2 CPU cores
     python benchmarks/stragglers.py --world 2      # as many processes as this machine's cores
     python benchmarks/stragglers.py --epochs 10 --slowdown 10
+    python benchmarks/stragglers.py --strategies "BSP,ALADDIN(pi=4),ALADDIN-sum(pi=4)" --repeats 1   # Alg. 2 as printed
 
 Same model (demo CNN), data (digits), seed, epochs and optimizer (SGD, lr 0.05, momentum 0.9) for every strategy.
 For each strategy two fits run back to back in the same processes: without a straggler, and with rank 3 slowed by
@@ -49,6 +50,8 @@ def _worker(
         "ASP": ASPStrategy,
         "SSP(s=4)": lambda: SSPStrategy(staleness=4),
         "ALADDIN(pi=4)": lambda: ALADDINStrategy(period=4),
+        # Alg. 2 line 8 as printed (plain sum); not in the default list
+        "ALADDIN-sum(pi=4)": lambda: ALADDINStrategy(period=4, aggregate="sum"),
     }
 
     class Meter(Callback):

@@ -116,6 +116,12 @@ def test_aladdin_per_push_alpha_is_one_minus_inverse_sqrt_of_accumulated_pushes(
     assert reply.worker == 0 and reply.alpha == 0.0
 
 
+def test_aladdin_sum_applies_the_listing_literally():
+    server = ShardServer(torch.zeros(1), num_workers=4, mode="aladdin", period=1, aggregate="sum")
+    server.push(0, torch.ones(1), 0, False)
+    assert float(server.params) == 1.0  # weight 1, not 1/n
+
+
 def test_alpha_formulas_and_mixing_arithmetic():
     assert aladdin_alpha(4, 4) == pytest.approx(1 - 1 / 4)  # §3.2: 1 - 1/sqrt(n*pi)
     assert aladdin_alpha(1, 1) == 0.0
@@ -147,6 +153,7 @@ def test_server_state_round_trips():
         (lambda: ALADDINStrategy(alpha=1.5), "alpha"),
         (lambda: ALADDINStrategy(alpha=-0.2), "alpha"),
         (lambda: ALADDINStrategy(alpha="half"), "alpha"),
+        (lambda: ALADDINStrategy(aggregate="median"), "aggregate"),
         (lambda: ASPStrategy(shard_size=0), "shard_size"),
         (lambda: ASPStrategy(injection=(0.5, 0.5)), "injection"),
         (lambda: ShardServer(torch.zeros(1), 2, mode="bsp"), "mode"),

@@ -22,6 +22,7 @@ from torch.utils.data import (
 )
 
 from lightning_sync.data import DynamicBatchSampler, LocalCounter, SelDPSampler, dynamic_loader
+from lightning_sync.launch import quiet_trainer_kwargs
 
 
 class _Exhausted:
@@ -436,16 +437,7 @@ def test_lightning_fit_runs_dynamic_epochs_and_validates_at_epoch_end():
         DataLoader(ds, batch_size=4, shuffle=True, collate_fn=_collate), LocalCounter().claim, on_exhausted=exhausted
     )
     val = DataLoader(ds, batch_size=11, collate_fn=_collate)
-    trainer = pl.Trainer(
-        max_epochs=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", devices=1, **quiet_trainer_kwargs())
     trainer.fit(Model(), train_dataloaders=train, val_dataloaders=val)
     for epoch in range(3):
         assert sum(n for e, n in seen if e == epoch) == 22  # the whole dataset every epoch

@@ -173,6 +173,7 @@ class ParameterServer:
         }
         self._ctrl_bufs = {s: torch.empty(HEADER_BYTES, dtype=torch.uint8) for s in self.peers}
         self._pending_sends: list[tuple[Any, str, int]] = []
+        self._local_buf = torch.empty(plan.numel(self.rank), dtype=dtype)  # this rank's shards of a push
         self._inbox = {s: torch.empty(plan.numel(s), dtype=dtype) for s in self.servers}
         self._inbox_alpha: dict[int, float | None] = {}
         self._inbox_new: set[int] = set()
@@ -330,7 +331,7 @@ class ParameterServer:
             self.stats.record_launch("push", buf.numel(), blocking=wait)
             self._pending_sends.append((dist.isend(buf, dst=s, group=self.push_group), "push", s))
         if self.rank in self.servers:
-            local = self.plan.gather(delta, self.rank)
+            local = self.plan.gather(delta, self.rank, out=self._local_buf)
             with self._server_lock:
                 self._dispatch(self.server.push(self.rank, local, epoch, want_reply))
         if wait:

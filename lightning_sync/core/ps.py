@@ -113,8 +113,8 @@ class ShardServer:
       (the listing omits it on the triggering push; dropping a worker's update every π steps is surely not meant).
       The accumulated deltas enter the global model with weight 1/n: x̃ ← x̃ + (1/n)·Σ delta. Line 8 as printed
       adds the plain sum, but the analysis rests on x̃ being the average of the workers' models (Lemma 1, Eq. 5;
-      the mixing matrix of Eq. 6), which every worker's full local update keeps true only with weight 1/n — and the
-      plain sum of 4 workers' updates diverges on the demo (measured: test accuracy 0.14, ``benchmarks/stragglers.py``).
+      the mixing matrix of Eq. 6), which every worker's full local update keeps true only with weight 1/n.
+      ``aggregate="sum"`` applies the listing literally (``benchmarks/stragglers.py`` runs both).
 
     Deltas are what the worker's own optimizer changed (``x_after − x_before``), so for SGD a delta is −η·g and ASP's
     x̃ ← x̃ + delta is Hogwild's x̃ ← x̃ − η·g, whatever optimizer each worker runs.
@@ -128,6 +128,7 @@ class ShardServer:
         staleness: int = 0,
         period: int = 1,
         record: bool = True,
+        aggregate: str = "mean",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -135,6 +136,11 @@ class ShardServer:
         self.num_workers = check_int("num_workers", num_workers, 1)
         self.staleness = check_int("staleness", staleness, 0)
         self.period = check_int("period", period, 1)
+        if aggregate not in ("mean", "sum"):
+            raise ValueError(f"aggregate must be 'mean' or 'sum', got {aggregate!r}")
+        self.aggregate = aggregate
+        #: weight of an accumulated (ALADDIN) delta in the global model: 1/n ("mean"), 1 ("sum", Alg. 2 as printed)
+        self.weight = 1.0 / self.num_workers if aggregate == "mean" else 1.0
         self.params = params
         self.acc = torch.zeros_like(params) if mode == "aladdin" else None
         self.pushes_since_update = 0  # c̃
@@ -177,7 +183,7 @@ class ShardServer:
         if self.worker_counts[worker] < self.period:  # line 5
             return []
         alpha = per_push_alpha(self.pushes_since_update)  # line 9
-        self.params.add_(self.acc, alpha=1.0 / self.num_workers)  # line 8: lazy global update (x̃ = average, Eq. 5)
+        self.params.add_(self.acc, alpha=self.weight)  # line 8: lazy global update (x̃ = average, Eq. 5)
         self.acc.zero_()  # line 11
         self.pushes_since_update = 0
         self.worker_counts[worker] = 0
@@ -219,13 +225,14 @@ class ShardServer:
         else:
             out.copy_(self.params)
         if self.acc is not None:
-            out.add_(self.acc, alpha=1.0 / self.num_workers)
+            out.add_(self.acc, alpha=self.weight)
         return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "aggregate": self.aggregate,
             "params": self.params.clone(),
             "acc": None if self.acc is None else self.acc.clone(),
             "pushes_since_update": self.pushes_since_update,
@@ -238,7 +245,11 @@ class ShardServer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["mode"] != self.mode or len(state["clocks"]) != self.num_workers:
+        if (
+            state["mode"] != self.mode
+            or len(state["clocks"]) != self.num_workers
+            or state.get("aggregate", "mean") != self.aggregate
+        ):
             raise ValueError(
                 f"server state is for mode {state['mode']!r} with {len(state['clocks'])} workers; this server runs "
                 f"{self.mode!r} with {self.num_workers}"

@@ -27,20 +27,27 @@ class ALADDINStrategy(ParameterServerStrategy):
         alpha: the weight of the global parameters: ``None`` (default) for α = 1 − 1/√(nπ) (§3.2), a number in
             (0, 1], or ``"per_push"`` for the α_i = 1 − 1/√c̃ each server sends with the parameters (Alg. 2 line 9,
             c̃ = pushes it accumulated since its last global update).
+        aggregate: how the servers apply accumulated updates: ``"mean"`` (default; weight 1/n, the global model is the
+            workers' average, Lemma 1) or ``"sum"`` (Alg. 2 line 8 as printed).
     """
 
     strategy_name = "aladdin"
     strategy_description = "ALADDIN: asymmetric parameter server (wait-free workers, lazy global update)"
     mode = "aladdin"
 
-    def __init__(self, period: int = 4, alpha: float | str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, period: int = 4, alpha: float | str | None = None, aggregate: str = "mean", **kwargs: Any
+    ) -> None:
         self.period = check_int("period", period, 1)
         self.alpha = check_alpha(alpha)
+        if aggregate not in ("mean", "sum"):
+            raise ValueError(f"aggregate must be 'mean' (weight 1/n) or 'sum' (Alg. 2 as printed), got {aggregate!r}")
+        self.aggregate = aggregate
         super().__init__(**kwargs)
         self.alpha_value: float | None = None  # resolved at setup (needs the world size)
 
     def _server_kwargs(self) -> dict[str, Any]:
-        return {"mode": self.mode, "period": self.period}
+        return {"mode": self.mode, "period": self.period, "aggregate": self.aggregate}
 
     def _on_flat_ready(self) -> None:
         super()._on_flat_ready()

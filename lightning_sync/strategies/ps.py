@@ -7,6 +7,7 @@ back global parameters as its method says. Ranks never meet during an epoch: the
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -16,7 +17,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -135,10 +135,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.exhausted_epochs += 1
         assert self._ps is not None
         self._ps.finish_epoch(epoch)
-        flag = torch.tensor([self._sigterm_flag()], device=self._comm_device())
-        self.comm.all_reduce(flag, op="max", tag="lightning")
-        if flag.item() > 0:
-            raise SIGTERMException()
+        self._check_sigterm()  # the base's counted all-reduce of every rank's flag; raises on all ranks together
 
     # ------------------------------------------------------------------ server lifecycle
     def setup_environment(self) -> None:
@@ -198,9 +195,9 @@ class ParameterServerStrategy(SyncStrategy):
             self._sigterm_seen = True
             self._work.exhaust(epoch)  # every rank's epoch ends at its next claim; they stop at the meeting
 
+    @abstractmethod
     def _exchange(self, delta: Tensor, epoch: int) -> bool:
         """Push ``delta`` and take global parameters per the method; return whether any arrived this step."""
-        raise NotImplementedError
 
     def _take(self, alpha: float | None = None) -> bool:
         """Apply the replies that arrived (replace, or mix with α) to this rank's replica."""
