@@ -103,6 +103,14 @@ class Communicator:
         group = dist.new_group(ranks=list(range(dist.get_world_size())), backend=self.backend)
         return Communicator(self.stats, self.link, group=group)
 
+    def subgroup(self, ranks: Sequence[int]) -> Communicator | None:
+        """A communicator over ``ranks`` (global ranks, same accounting and link); ``None`` on the other ranks.
+        Every rank of the world calls this at the same point with the same ``ranks`` (group creation is collective
+        over the world; gloo hangs when only the members create groups in different orders)."""
+        members = sorted(set(ranks))
+        group = dist.new_group(ranks=members, backend=self.backend)
+        return Communicator(self.stats, self.link, group=group) if dist.get_rank() in members else None
+
     def destroy(self) -> None:
         """Destroy this communicator's own group (never the default group)."""
         if self.group is not None and dist.is_initialized():

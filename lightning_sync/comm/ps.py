@@ -102,11 +102,13 @@ class WorkCounter:
         )
         self.claims: dict[int, int] = {}
 
-    def _key(self, epoch: int) -> str:
-        return f"{self.prefix}/{epoch}"
+    def _key(self, epoch: int, segment: int = 0) -> str:
+        return f"{self.prefix}/{epoch}" if segment == 0 else f"{self.prefix}/{epoch}/{segment}"
 
-    def claim(self, epoch: int) -> int:
-        key = self._key(epoch)
+    def claim(self, epoch: int, segment: int = 0) -> int:
+        """The next unclaimed position of ``epoch``'s counter (``segment`` > 0: a fresh counter of the same epoch,
+        for a run that starts claiming part-way through an epoch; the caller adds its offset)."""
+        key = self._key(epoch, segment)
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)
         start = time.perf_counter()
         value = int(self.store.add(key, 1)) - 1
@@ -118,6 +120,20 @@ class WorkCounter:
         key = self._key(epoch)
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)
         self.store.add(key, 1 << 40)
+
+    def post(self, name: str, value: str) -> None:
+        """Publish a small control message under ``name`` (read by :meth:`poll` on any rank)."""
+        key = f"{self.prefix}/msg/{name}"
+        self.stats.record_launch("work", self.request_bytes(key) + len(value.encode()), blocking=True)
+        self.store.set(key, value)
+
+    def poll(self, name: str) -> str | None:
+        """The message posted under ``name``, or ``None`` if none was posted yet (never blocks)."""
+        key = f"{self.prefix}/msg/{name}"
+        self.stats.record_launch("work", self.request_bytes(key), blocking=True)
+        if not self.store.check([key]):
+            return None
+        return bytes(self.store.get(key)).decode()
 
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]
@@ -382,6 +398,17 @@ class ParameterServer:
                 applied.append((s, a))
             self._inbox_new.clear()
         return applied
+
+    def reset_params(self, flat: Tensor) -> None:
+        """Load this rank's shards from ``flat`` (CPU), e.g. from identical replicas when asynchronous training
+        (re)starts. Call it on every rank at a meeting point with no push in flight, then meet again before
+        anyone pushes."""
+        check_cpu(flat, "the parameters to serve")
+        if self.plan.numel(self.rank):
+            with self._server_lock:
+                self.plan.gather(flat, self.rank, out=self.server.params)
+        with self._mail:
+            self._inbox_new.clear()
 
     def finish_epoch(self, epoch: int) -> None:
         """This worker found the epoch's data consumed (SSP stops counting it as training for that epoch)."""

@@ -126,8 +126,13 @@ class ParameterServerStrategy(SyncStrategy):
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and self._work is not None:
-            dataloader = dynamic_loader(dataloader, claim=self._work.claim, on_exhausted=self._on_exhausted)
+            dataloader = dynamic_loader(dataloader, claim=self._claim, on_exhausted=self._on_exhausted)
         return dataloader
+
+    def _claim(self, epoch: int) -> int:
+        """The global batch position this rank trains next (subclasses may assign positions differently)."""
+        assert self._work is not None
+        return self._work.claim(epoch)
 
     def _on_exhausted(self, epoch: int) -> None:
         """This rank found the epoch's data consumed: stop holding SSP back, then meet the other ranks (they all
