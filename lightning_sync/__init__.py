@@ -16,6 +16,7 @@ from lightning_sync.strategies import (
     SelSyncStrategy,
     SSPStrategy,
     SyncStrategy,
+    SyncSwitchStrategy,
 )
 
 __version__ = "0.1.0"
@@ -33,5 +34,6 @@ __all__ = [
     "SelSyncStrategy",
     "SSPStrategy",
     "SyncStrategy",
+    "SyncSwitchStrategy",
     "__version__",
 ]

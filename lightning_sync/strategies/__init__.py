@@ -16,6 +16,7 @@ from lightning_sync.strategies.osp import OSPStrategy
 from lightning_sync.strategies.ps import ParameterServerStrategy
 from lightning_sync.strategies.selsync import SelSyncStrategy
 from lightning_sync.strategies.ssp import SSPStrategy
+from lightning_sync.strategies.sync_switch import SyncSwitchStrategy
 
 STRATEGIES: tuple[type[SyncStrategy], ...] = (
     BSPStrategy,
@@ -27,6 +28,7 @@ STRATEGIES: tuple[type[SyncStrategy], ...] = (
     ASPStrategy,
     SSPStrategy,
     ALADDINStrategy,
+    SyncSwitchStrategy,
 )
 
 for _cls in STRATEGIES:
@@ -45,4 +47,5 @@ __all__ = [
     "STRATEGIES",
     "SelSyncStrategy",
     "SyncStrategy",
+    "SyncSwitchStrategy",
 ]

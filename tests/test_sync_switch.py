@@ -1,0 +1,251 @@
+"""Sync-Switch trained with Lightning on CPU processes (gloo).
+
+Two process sets: 2 ranks run the scheduled switch (with an LR scheduler, to check the configuration policy), and
+3 ranks run the online policies with an injected straggler (the S - sigma detector needs >= 3 ranks) and without
+one. Every rank writes what it observed; the tests assert on it. Setup rejections and YAML are at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from launch import run_external
+
+from lightning_sync import SyncSwitchStrategy
+from lightning_sync.callbacks import StragglerInjection, SyncSwitch
+from lightning_sync.data import DigitsDataModule
+from lightning_sync.launch import quiet_trainer_kwargs
+from lightning_sync.models import DigitsCNN
+
+CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
+TIMEOUT = timedelta(seconds=60)
+EPOCHS = 4
+LR, GAMMA = 0.05, 0.5
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _checksum(model: torch.nn.Module) -> list[float]:
+    flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values() if t.is_floating_point()])
+    return [float(flat.sum()), float((flat * torch.arange(flat.numel(), dtype=torch.float64)).sum())]
+
+
+def _fit(world: int, callbacks: list, **model_kw) -> tuple[pl.Trainer, SyncSwitchStrategy]:
+    from lightning.pytorch.callbacks import Callback
+
+    class Observe(Callback):
+        """Learning rate the optimizer used at each step; parameters right after the first switch."""
+
+        def __init__(self) -> None:
+            self.lrs: list[tuple[int, int, float]] = []
+            self.at_switch: list[float] | None = None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.lrs.append((trainer.global_step, trainer.current_epoch, optimizer.param_groups[0]["lr"]))
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if self.at_switch is None and trainer.strategy.protocol == "asp":
+                self.at_switch = _checksum(pl_module)
+
+    pl.seed_everything(0)
+    observe = Observe()
+    strategy = SyncSwitchStrategy(process_group_backend="gloo", timeout=TIMEOUT, verify_sync=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        callbacks=[*callbacks, observe],
+        **quiet_trainer_kwargs(limit_val_batches=0),
+    )
+    trainer.fit(DigitsCNN(lr=LR, momentum=0.9, **model_kw), DigitsDataModule(batch_size=32))
+    trainer.observe = observe  # type: ignore[attr-defined]
+    return trainer, strategy
+
+
+def _record(trainer: pl.Trainer, strategy: SyncSwitchStrategy, switch: SyncSwitch) -> dict:
+    return {
+        "switches": strategy.switches,
+        "events": [{k: v for k, v in e.items() if k != "source"} for e in switch.events],
+        "ops": dict(strategy.comm_stats.ops),
+        "global_step": trainer.global_step,
+        "num_batches": strategy.num_batches,
+        "bsp_batches": strategy.bsp_batches,
+        "lrs": trainer.observe.lrs,  # type: ignore[attr-defined]
+        "at_switch": trainer.observe.at_switch,  # type: ignore[attr-defined]
+        "steps": {"sync": strategy.step_counter.sync_steps, "local": strategy.step_counter.local_steps},
+    }
+
+
+def _scheduled(rank: int, out_dir: str) -> None:
+    switch = SyncSwitch(schedule=[("bsp", 0.3), ("asp", 1.0)])
+    trainer, strategy = _fit(2, [switch], lr_milestones=[1, 2], lr_gamma=GAMMA)
+    res = _record(trainer, strategy, switch)
+    Path(out_dir, f"scheduled_{rank}.json").write_text(json.dumps(res))
+
+
+def _online(rank: int, out_dir: str) -> None:
+    runs = {
+        # x4 straggler on rank 2 for its batches 3..8 (transient: flagged mid-epoch 0, gone by its end); no straggler
+        "greedy": ("greedy", StragglerInjection(ranks=2, slowdown=4.0, start=3, duration=6)),
+        "elastic": ("elastic", StragglerInjection(ranks=2, slowdown=4.0, start=3, duration=6)),
+        "clean": ("greedy", None),
+    }
+    for name, (policy, injection) in runs.items():
+        switch = SyncSwitch(schedule=[("bsp", 0.5), ("asp", 1.0)], policy=policy, window=3, consecutive=2)
+        trainer, strategy = _fit(3, [switch] + ([injection] if injection else []))
+        Path(out_dir, f"{name}_{rank}.json").write_text(json.dumps(_record(trainer, strategy, switch)))
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync_switch")
+    run_external(_scheduled, 2, str(out))
+    return [json.loads((out / f"scheduled_{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync_switch_online")
+    run_external(_online, 3, str(out))
+    return {
+        name: [json.loads((out / f"{name}_{r}.json").read_text()) for r in range(3)]
+        for name in ("greedy", "elastic", "clean")
+    }
+
+
+# ----------------------------------------------------------------------------------------------- scheduled switch
+def test_switch_at_the_scheduled_step_on_every_rank(scheduled):
+    total = EPOCHS * scheduled[0]["num_batches"]
+    expected = -(-int(0.3 * total) // 2)  # BSP steps until 30% of the batch positions are trained (2 per step)
+    for res in scheduled:
+        assert [(s["from"], s["to"]) for s in res["switches"]] == [("bsp", "asp")]
+        assert res["switches"][0]["step"] == expected
+        assert res["switches"][0]["seconds"] < 1.0
+        assert res["bsp_batches"] == 2 * expected
+
+
+def test_parameters_identical_at_the_switch(scheduled):
+    assert scheduled[0]["at_switch"] is not None
+    assert scheduled[0]["at_switch"] == scheduled[1]["at_switch"]
+
+
+def test_blocking_allreduces_stop_and_pushes_start_after_the_switch(scheduled):
+    for res in scheduled:
+        switch_step = res["switches"][0]["step"]
+        asp_steps = res["global_step"] - switch_step
+        assert res["ops"]["grads"] == switch_step  # one gradient all-reduce per BSP step, none after
+        assert res["ops"]["push"] >= asp_steps > 0  # one push per ASP step (to the remote server)
+
+
+def test_learning_rate_follows_the_configuration_policy_with_a_scheduler(scheduled):
+    for res in scheduled:
+        switch_step = res["switches"][0]["step"]
+        assert res["lrs"], "no optimizer step observed"
+        for step, epoch, lr in res["lrs"]:
+            scheduled_lr = LR * GAMMA ** min(epoch, 2)  # MultiStepLR(milestones=[1, 2])
+            factor = 2.0 if step < switch_step else 1.0  # BSP: n * eta (linear scaling); ASP: eta
+            assert lr == pytest.approx(scheduled_lr * factor), (step, epoch, lr)
+
+
+# ----------------------------------------------------------------------------------------------- online policies
+def _kinds(res: dict) -> list[str]:
+    return [e["event"] for e in res["events"]]
+
+
+def test_detector_flags_the_injected_straggler_within_k_windows(online):
+    # greedy: the first decision is the straggler switch, naming rank 2 only, within consecutive + 1 windows of
+    # the first slowed batch (3): 3-step windows, the first step of an epoch is not timed
+    for res in online["greedy"]:
+        first = res["events"][0]
+        assert first["event"] == "straggler_switch_to_asp" and first["ranks"] == [2]
+        assert 3 <= first["step"] <= 3 + 3 * 3 + 1
+
+
+def test_detector_flags_no_one_without_a_straggler(online):
+    for res in online["clean"]:
+        assert _kinds(res) == ["quota_done"]
+        assert [(s["from"], s["to"]) for s in res["switches"]] == [("bsp", "asp")]
+
+
+def test_greedy_switches_to_asp_and_back_when_the_straggler_clears(online):
+    for res in online["greedy"]:
+        assert _kinds(res) == ["straggler_switch_to_asp", "clear_switch_to_bsp", "quota_done"], res["events"]
+        assert [(s["from"], s["to"]) for s in res["switches"]] == [("bsp", "asp"), ("asp", "bsp"), ("bsp", "asp")]
+
+
+def test_elastic_excludes_the_straggler_then_restores_the_cluster(online):
+    survivor = online["elastic"][0]
+    kinds = _kinds(survivor)
+    assert kinds[0] == "exclude" and survivor["events"][0]["ranks"] == [2]
+    assert kinds[-1] == "quota_done_restore"
+    assert "straggler_switch_to_asp" not in kinds
+    # the straggler was parked (it trained fewer BSP steps), every rank ends in ASP
+    assert online["elastic"][2]["ops"]["grads"] < survivor["ops"]["grads"]
+    assert any(s["from"] == "parked" for s in online["elastic"][2]["switches"])
+    for res in online["elastic"]:
+        assert res["switches"][-1]["to"] == "asp"
+
+
+# ----------------------------------------------------------------------------------------------- setup, YAML, input
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="schedule"):
+        SyncSwitch(schedule=[("bsp", 0.5), ("asp", 0.4)])
+    with pytest.raises(ValueError, match="schedule"):
+        SyncSwitch(schedule=[("bsp", 0.0), ("asp", 1.0)])
+    with pytest.raises(ValueError, match="schedule"):
+        SyncSwitch(schedule=[("bsp", 0.5), ("asp", 1.2)])
+    with pytest.raises(ValueError, match="schedule"):
+        SyncSwitch(schedule=[("ssp", 0.5), ("asp", 1.0)])
+    with pytest.raises(ValueError, match="policy"):
+        SyncSwitch(policy="eager")
+    with pytest.raises(ValueError, match="window"):
+        SyncSwitch(window=0)
+    with pytest.raises(ValueError, match="margin"):
+        SyncSwitch(margin=1.0)
+    with pytest.raises(ValueError, match="bsp_lr_scale"):
+        SyncSwitchStrategy(bsp_lr_scale=0)
+    with pytest.raises(ValueError, match="asp_lr_scale"):
+        SyncSwitchStrategy(asp_lr_scale=-1.0)
+
+
+def test_policy_needs_three_ranks_and_the_callback_needs_the_strategy(single_process):
+    from lightning_sync import BSPStrategy
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=BSPStrategy(process_group_backend="gloo"),
+        max_epochs=1,
+        callbacks=[SyncSwitch()],
+        **quiet_trainer_kwargs(),
+    )
+    with pytest.raises(ValueError, match="SyncSwitchStrategy"):
+        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SyncSwitchStrategy(process_group_backend="gloo"),
+        max_epochs=1,
+        callbacks=[SyncSwitch(policy="greedy")],
+        **quiet_trainer_kwargs(),
+    )
+    with pytest.raises(ValueError, match="at least 3 ranks"):
+        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+
+
+def test_sync_switch_by_name_and_yaml(single_process, tmp_path):
+    from lightning_sync.cli import cli_main
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="sync_switch", max_epochs=1, **quiet_trainer_kwargs())
+    assert isinstance(trainer.strategy, SyncSwitchStrategy)
+    cli = cli_main(
+        ["--config", str(CONFIGS / "sync_switch.yaml"), "--trainer.devices=1", "--trainer.logger=false"], run=False
+    )
+    assert isinstance(cli.trainer.strategy, SyncSwitchStrategy)
+    switches = [cb for cb in cli.trainer.callbacks if isinstance(cb, SyncSwitch)]
+    assert len(switches) == 1 and switches[0].schedule.as_list() == [["bsp", 0.25], ["asp", 1.0]]
