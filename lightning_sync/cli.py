@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
 
         compare_main(args[1:])
         return
+    if args and args[0] == "search-switch":
+        from lightning_sync.search import main as search_main
+
+        search_main(args[1:])
+        return
     cli_main(argv)
 
 
