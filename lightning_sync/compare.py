@@ -44,6 +44,7 @@ def _strategy_class_path(name: str) -> str:
     from lightning_sync.strategies import STRATEGIES
 
     ours = sorted(c.strategy_name for c in STRATEGIES if c.strategy_name)
+    name = name.replace("-", "_")  # "sync-switch" as the papers write it
     if name not in ours:
         raise ValueError(f"unknown or not yet implemented strategy {name!r}; available: {', '.join(ours)}")
     cls = StrategyRegistry[name]["strategy"]

@@ -25,6 +25,7 @@ from lightning_sync.models import DigitsCNN
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 TIMEOUT = timedelta(seconds=60)
 EPOCHS = 4
+SCHEDULED_EPOCHS = 3
 LR, GAMMA = 0.05, 0.5
 
 
@@ -34,7 +35,7 @@ def _checksum(model: torch.nn.Module) -> list[float]:
     return [float(flat.sum()), float((flat * torch.arange(flat.numel(), dtype=torch.float64)).sum())]
 
 
-def _fit(world: int, callbacks: list, **model_kw) -> tuple[pl.Trainer, SyncSwitchStrategy]:
+def _fit(world: int, callbacks: list, epochs: int = EPOCHS, **model_kw) -> tuple[pl.Trainer, SyncSwitchStrategy]:
     from lightning.pytorch.callbacks import Callback
 
     class Observe(Callback):
@@ -58,7 +59,7 @@ def _fit(world: int, callbacks: list, **model_kw) -> tuple[pl.Trainer, SyncSwitc
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        max_epochs=EPOCHS,
+        max_epochs=epochs,
         callbacks=[*callbacks, observe],
         **quiet_trainer_kwargs(limit_val_batches=0),
     )
@@ -82,8 +83,8 @@ def _record(trainer: pl.Trainer, strategy: SyncSwitchStrategy, switch: SyncSwitc
 
 
 def _scheduled(rank: int, out_dir: str) -> None:
-    switch = SyncSwitch(schedule=[("bsp", 0.3), ("asp", 1.0)])
-    trainer, strategy = _fit(2, [switch], lr_milestones=[1, 2], lr_gamma=GAMMA)
+    switch = SyncSwitch(schedule=[("bsp", 0.25), ("asp", 1.0)])
+    trainer, strategy = _fit(2, [switch], epochs=SCHEDULED_EPOCHS, lr_milestones=[1, 2], lr_gamma=GAMMA)
     res = _record(trainer, strategy, switch)
     Path(out_dir, f"scheduled_{rank}.json").write_text(json.dumps(res))
 
@@ -120,8 +121,9 @@ def online(tmp_path_factory):
 
 # ----------------------------------------------------------------------------------------------- scheduled switch
 def test_switch_at_the_scheduled_step_on_every_rank(scheduled):
-    total = EPOCHS * scheduled[0]["num_batches"]
-    expected = -(-int(0.3 * total) // 2)  # BSP steps until 30% of the batch positions are trained (2 per step)
+    total = SCHEDULED_EPOCHS * scheduled[0]["num_batches"]
+    expected = -(-int(0.25 * total) // 2)  # BSP steps until 25% of the batch positions are trained (2 per step)
+    assert expected < scheduled[0]["num_batches"] // 2  # mid-epoch 0: positions are handed over to the counter
     for res in scheduled:
         assert [(s["from"], s["to"]) for s in res["switches"]] == [("bsp", "asp")]
         assert res["switches"][0]["step"] == expected
