@@ -72,3 +72,12 @@ def test_compare_numbers_match_the_runs_own_logs(compared):
         assert history == sorted(history) and history[-1] <= row["bytes_per_rank"]
     assert rows[0]["lssr"] == 0.0 and rows[0]["diff_vs_bsp"] == 0.0
     assert rows[1]["bytes_per_rank"] < rows[0]["bytes_per_rank"]  # SelSync skipped some syncs
+
+
+def test_strategy_names_include_sync_switch_as_the_papers_write_it():
+    from lightning_sync.compare import _strategy_class_path
+
+    assert _strategy_class_path("sync-switch") == "lightning_sync.strategies.sync_switch.SyncSwitchStrategy"
+    assert _strategy_class_path("sync_switch") == _strategy_class_path("sync-switch")
+    with pytest.raises(ValueError, match="available"):
+        _strategy_class_path("sync-swich")
