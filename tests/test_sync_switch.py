@@ -78,7 +78,6 @@ def _record(trainer: pl.Trainer, strategy: SyncSwitchStrategy, switch: SyncSwitc
         "bsp_batches": strategy.bsp_batches,
         "lrs": trainer.observe.lrs,  # type: ignore[attr-defined]
         "at_switch": trainer.observe.at_switch,  # type: ignore[attr-defined]
-        "steps": {"sync": strategy.step_counter.sync_steps, "local": strategy.step_counter.local_steps},
     }
 
 

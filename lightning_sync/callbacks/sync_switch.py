@@ -80,6 +80,7 @@ class SyncSwitch(Callback):
         self._detector: StragglerDetector | None = None
         self._policy: GreedyPolicy | ElasticPolicy | None = None
         self._recent: deque[float] = deque(maxlen=self.window)
+        self._policy_seen = 0  # policy events already copied into `events`
 
     @property
     def state_key(self) -> str:
@@ -111,6 +112,7 @@ class SyncSwitch(Callback):
             self._policy = ElasticPolicy(quota, world, self.min_participants)
         self._meter.reset()
         self._recent = deque(maxlen=self.window)
+        self._policy_seen = 0
 
     # ------------------------------------------------------------------ decisions
     def _event(self, trainer: pl.Trainer, event: str, ranks: Any = (), protocol: str = "", **extra: Any) -> None:
@@ -119,11 +121,13 @@ class SyncSwitch(Callback):
         rank_zero_info(f"SyncSwitch: {entry}")
 
     def _sync_policy_events(self, trainer: pl.Trainer) -> None:
+        """Copy the policy's new events into :attr:`events` (and log them)."""
         if self._policy is None:
             return
-        for entry in self._policy.events[len([e for e in self.events if e.get("source") == "policy"]) :]:
+        for entry in self._policy.events[self._policy_seen :]:
             self.events.append({**entry, "source": "policy"})
             rank_zero_info(f"SyncSwitch: {entry}")
+        self._policy_seen = len(self._policy.events)
 
     def _total(self, strategy: Any, trainer: pl.Trainer) -> int:
         return max(1, strategy.num_batches * int(trainer.max_epochs or 1))
@@ -230,3 +234,4 @@ class SyncSwitch(Callback):
             self._detector.load_state_dict(state_dict["detector"])
         if self._policy is not None and state_dict.get("policy") is not None:
             self._policy.load_state_dict(state_dict["policy"])
+            self._policy_seen = len(self._policy.events)  # those are already in `events`

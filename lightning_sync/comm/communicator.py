@@ -100,8 +100,9 @@ class Communicator:
         """A second group over the same ranks (same accounting and link), so operations on it run independently
         of this one's: an asynchronous all-reduce in flight there does not hold back blocking collectives here.
         Every rank must call this in the same order."""
-        group = dist.new_group(ranks=list(range(dist.get_world_size())), backend=self.backend)
-        return Communicator(self.stats, self.link, group=group)
+        comm = self.subgroup(range(dist.get_world_size()))
+        assert comm is not None
+        return comm
 
     def subgroup(self, ranks: Sequence[int]) -> Communicator | None:
         """A communicator over ``ranks`` (global ranks, same accounting and link); ``None`` on the other ranks.

@@ -80,6 +80,9 @@ class WorkCounter:
     past any dataset, ending the epoch on every rank at its next claim (used to stop all ranks on SIGTERM).
     """
 
+    #: a position past any dataset: a claim that returns it (or more) finds the epoch's data consumed
+    EXHAUSTED = 1 << 40
+
     #: bytes of one ``add`` request in TCPStore's protocol: command byte, 8-byte key length, key, int64 value
     @staticmethod
     def request_bytes(key: str) -> int:
@@ -119,7 +122,7 @@ class WorkCounter:
     def exhaust(self, epoch: int) -> None:
         key = self._key(epoch)
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)
-        self.store.add(key, 1 << 40)
+        self.store.add(key, self.EXHAUSTED)
 
     def post(self, name: str, value: str) -> None:
         """Publish a small control message under ``name`` (read by :meth:`poll` on any rank)."""

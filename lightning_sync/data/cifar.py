@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..core.validation import check_int, check_real
 from .digits import stratified_split
-from .loader import ResumableDataLoader
+from .loader import ResumableDataLoader, ordered_loader
 
 __all__ = ["CIFAR10DataModule", "CIFAR10Tensors", "random_crop_flip"]
 
@@ -271,9 +271,9 @@ class CIFAR10DataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Loader of the validation split, in order."""
         self._setup_fit()
-        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return ordered_loader(self.val_dataset, self.batch_size, self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
         """Loader of the test split (``test_batch``), in order."""
         self._setup_test()
-        return DataLoader(self.test_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return ordered_loader(self.test_dataset, self.batch_size, self.num_workers)

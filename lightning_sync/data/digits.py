@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..core.validation import check_int, check_real
-from .loader import ResumableDataLoader
+from .loader import ResumableDataLoader, ordered_loader
 from .noniid import Dirichlet, LabelSkew
 
 __all__ = ["DigitsDataModule"]
@@ -186,9 +186,9 @@ class DigitsDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Loader of the validation split, in order."""
         self.setup()
-        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return ordered_loader(self.val_dataset, self.batch_size, self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
         """Loader of the test split, in order."""
         self.setup()
-        return DataLoader(self.test_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return ordered_loader(self.test_dataset, self.batch_size, self.num_workers)

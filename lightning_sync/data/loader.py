@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import _DatasetKind
 
 __all__ = ["ResumableDataLoader"]
@@ -192,3 +192,8 @@ class ResumableDataLoader(DataLoader):
             if self._iter_token is token:
                 self._batches_yielded += 1
             yield batch
+
+
+def ordered_loader(dataset: Dataset, batch_size: int, num_workers: int = 0) -> DataLoader:
+    """An evaluation loader: the split in order, every sample once (validation and test of the data modules)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)

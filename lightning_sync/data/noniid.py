@@ -28,6 +28,7 @@ are set on the user's DataLoader (no sampler injection) and calls ``set_epoch`` 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any, Literal
 
@@ -149,7 +150,7 @@ def format_label_counts(counts: Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- base
-class _NonIIDSampler(DistributedSampler):
+class _NonIIDSampler(DistributedSampler, ABC):
     """Shared machinery: labels, argument checks, the fixed partition, equalised epochs."""
 
     def __init__(
@@ -199,9 +200,9 @@ class _NonIIDSampler(DistributedSampler):
         self.num_samples = max(sizes) if equalize == "repeat" else min(sizes)
         self.total_size = self.num_samples * self.num_replicas
 
+    @abstractmethod
     def _build_partition(self) -> list[list[int]]:
         """Every rank's sorted index list; implemented by :class:`LabelSkew` and :class:`Dirichlet`."""
-        raise NotImplementedError(f"{type(self).__name__} must define how the dataset is split")
 
     def __iter__(self) -> Iterator[int]:
         """This rank's own part, shuffled with ``seed + epoch``, equalised to ``len(self)`` indices."""

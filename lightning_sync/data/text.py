@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from ..core.validation import check_int, check_real
-from .loader import ResumableDataLoader
+from .loader import ResumableDataLoader, ordered_loader
 
 
 def python_help_text() -> str:
@@ -116,8 +116,8 @@ class PythonTextDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         self.setup()
-        return DataLoader(CharWindows(self.splits["val"], self.seq_len), batch_size=self.batch_size)
+        return ordered_loader(CharWindows(self.splits["val"], self.seq_len), self.batch_size)
 
     def test_dataloader(self) -> DataLoader:
         self.setup()
-        return DataLoader(CharWindows(self.splits["test"], self.seq_len), batch_size=self.batch_size)
+        return ordered_loader(CharWindows(self.splits["test"], self.seq_len), self.batch_size)

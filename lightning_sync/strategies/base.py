@@ -319,19 +319,22 @@ class SyncStrategy(DDPStrategy):
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
 
-    def average_grads(self, tag: str = "grads") -> None:
-        """Average gradients (and floating buffers, carried in the same buffer): one all-reduce per group."""
+    def average_grads(self, tag: str = "grads", comm: Communicator | None = None) -> None:
+        """Average gradients (and floating buffers, carried in the same buffer): one all-reduce per group, over
+        ``comm`` (default: all ranks; a subgroup's communicator averages over its members only)."""
+        comm = comm if comm is not None else self.comm
         flat = self.flat
         flat.stage_buffers()
         tensors = flat.grad_tensors()
-        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        comm.all_reduce_many(tensors, op="avg", tag=tag)
         flat.unstage_buffers()
         if self.verify_sync:
-            self._verify(tensors, "gradients and buffers")
+            self._verify(tensors, "gradients and buffers", comm)
 
-    def _verify(self, tensors: list[Tensor], what: str) -> None:
+    def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
+        comm = comm if comm is not None else self.comm
         local = self.flat.checksum(tensors)
-        gathered = self.comm.all_gather(local.to(self._comm_device()), tag="verify").cpu()
+        gathered = comm.all_gather(local.to(self._comm_device()), tag="verify").cpu()
         if not bool((gathered == gathered[0]).all()):
             raise RuntimeError(
                 f"verify_sync: {what} differ across ranks after a sync at step {self.step_counter.steps} "

@@ -42,16 +42,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_sync.comm import Communicator
+from lightning_sync.comm.ps import WorkCounter
 from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
 from lightning_sync.strategies.asp import ASPStrategy
 from lightning_sync.strategies.ps import ParameterServerStrategy
-
-_EXHAUSTED = 1 << 40
 
 
 class SyncSwitchStrategy(ASPStrategy):
@@ -127,6 +126,10 @@ class SyncSwitchStrategy(ASPStrategy):
 
         if not any(isinstance(cb, SyncSwitch) for cb in trainer.callbacks):
             trainer.callbacks.append(SyncSwitch())
+            rank_zero_info(
+                "SyncSwitchStrategy: no SyncSwitch callback given, added SyncSwitch() (BSP for the first 25% of the "
+                "workload, then ASP). Pass callbacks=[SyncSwitch(schedule=...)] to choose."
+            )
 
     def _on_flat_ready(self) -> None:
         super()._on_flat_ready()
@@ -152,7 +155,7 @@ class SyncSwitchStrategy(ASPStrategy):
         if epoch != self._epoch:
             self._start_epoch(epoch)
         if self._exhaust_epoch == epoch:
-            return _EXHAUSTED
+            return WorkCounter.EXHAUSTED
         if self.protocol == "asp":
             assert self._work is not None
             return self._offset + self._work.claim(epoch, self._segment)
@@ -160,7 +163,7 @@ class SyncSwitchStrategy(ASPStrategy):
         start = self._frontier + self._rounds * m
         self._rounds += 1
         if start + m > self._num_batches:
-            return _EXHAUSTED
+            return WorkCounter.EXHAUSTED
         return start + self.participants.index(self.global_rank)
 
     def _start_epoch(self, epoch: int) -> None:
@@ -207,15 +210,8 @@ class SyncSwitchStrategy(ASPStrategy):
             self._measure()
 
     def _after_backward(self, optimizer: Optimizer) -> None:
-        if self.protocol != "bsp" or self._local_step:
-            return
-        flat = self.flat
-        flat.stage_buffers()
-        tensors = flat.grad_tensors()
-        self.bsp_comm.all_reduce_many(tensors, op="avg", tag="grads")
-        flat.unstage_buffers()
-        if self.verify_sync:
-            self._verify_group(tensors)
+        if self.protocol == "bsp" and not self._local_step:
+            self.average_grads(comm=self.bsp_comm)
 
     def _after_update(self, optimizer: Optimizer) -> None:
         if self._local_step:  # a parked rank's held batch after the epoch ended without it
@@ -231,12 +227,6 @@ class SyncSwitchStrategy(ASPStrategy):
         self.step_counter.record(True)
         if not self.excluded:
             self._check_sigterm()  # 4 bytes, as BSP: every rank stops together
-
-    def _verify_group(self, tensors: list[Tensor]) -> None:
-        local = self.flat.checksum(tensors)
-        gathered = self.bsp_comm.all_gather(local, tag="verify")
-        if not bool((gathered == gathered[0]).all()):
-            raise RuntimeError(f"verify_sync: gradients differ across the BSP group at step {self.step_counter.steps}")
 
     def _measure(self) -> None:
         now = time.perf_counter()
