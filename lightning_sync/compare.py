@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STRATEGIES = "bsp,selsync,localsgd,adpsgd,fedavg,osp"
+DEFAULT_STRATEGIES = "bsp,selsync,localsgd,adpsgd,fedavg,osp,asp,ssp,aladdin,sync-switch"
 
 
 @dataclass
