@@ -314,7 +314,9 @@ class OSPStrategy(SyncStrategy):
                 self.importance[i] = float((global_grad * view).abs().sum())  # type: ignore[index]
                 n += size
         if self.verify_sync and sgd:
-            self._verify(self.flat.state_tensors(), "parameters and buffers after the LGP correction")
+            # parameters only: the buffers were averaged by the RS, and this step's forward has since updated
+            # them (BatchNorm running statistics) from each rank's own batch; the next RS averages them again
+            self._verify([g.state[: g.param_numel]], "parameters after the LGP correction")
 
     # ------------------------------------------------------------------ drain points
     def lightning_module_state_dict(self) -> dict[str, Any]:
