@@ -135,11 +135,20 @@ class SyncSwitch(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._meter.reset()  # windows stay aligned across ranks (a parked rank missed the group's steps)
         self._recent.clear()
-        leader = trainer.strategy.rejoin_leader
-        if leader is not None and self._detector is not None:
-            # parked ranks missed the group's detection windows: every rank continues from the group's state
-            state = trainer.strategy.broadcast(self._decision_state(), src=leader)
+        self._rejoin(trainer)
+
+    def _rejoin(self, trainer: pl.Trainer) -> None:
+        """After an exclusion ended with the epoch: the cluster is restored (the group leader's replica and
+        counters) and every rank continues from the group's decision state — parked ranks missed its detection
+        windows. Done at the epoch end, before a checkpoint there, or at the next epoch start."""
+        strategy = trainer.strategy
+        leader = strategy.rejoin_leader
+        if leader is None:
+            return
+        if self._detector is not None:
+            state = strategy.broadcast(self._decision_state(), src=leader)
             self._load_decision_state(state)
+        strategy.restore_now()
 
     def _decision_state(self) -> dict[str, Any]:
         assert self._detector is not None
@@ -194,6 +203,7 @@ class SyncSwitch(Callback):
         strategy = trainer.strategy
         if isinstance(self._policy, ElasticPolicy) and self._policy.excluded:
             self._policy.release(trainer.global_step, "epoch_end")  # the strategy restores the cluster there
+        self._rejoin(trainer)  # a checkpoint at this epoch end (ModelCheckpoint runs after) sees the whole cluster
         if strategy.protocol != "asp" or strategy._next_protocol is not None:
             self._sync_policy_events(trainer)
             return

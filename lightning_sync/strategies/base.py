@@ -18,6 +18,7 @@ A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -45,6 +46,8 @@ from lightning_sync.strategies.injection import DataInjector
 log = logging.getLogger(__name__)
 
 _CKPT_KEY = "lightning_sync"
+#: environment variable that turns ``verify_sync`` on for every strategy (test mode)
+VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
 DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
@@ -59,7 +62,8 @@ class SyncStrategy(DDPStrategy):
             default. Every operation then costs ``latency + bytes / bandwidth`` more (documented as emulation).
         verify_sync: after every sync, all-gather a checksum of what the sync made identical (parameters and
             buffers, or gradients) and raise if any rank differs. A test/debug mode; its traffic is tagged
-            ``"verify"`` and kept out of the training totals.
+            ``"verify"`` and kept out of the training totals. ``LIGHTNING_SYNC_VERIFY=1`` in the environment turns
+            it on for every strategy.
         injection: SelSync's data injection for non-IID data, ``(alpha, beta)`` in (0, 1]: the training loader's
             batch size b is reduced to b' = b / (1 + alpha*beta*N) (Eq. 3) and every step ceil(alpha*N) ranks drawn
             from ``injection_seed`` share beta*b' samples with all ranks (see
@@ -125,7 +129,9 @@ class SyncStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.link: LinkModel | None = link
-        self.verify_sync = verify_sync
+        #: ``LIGHTNING_SYNC_VERIFY=1`` in the environment turns the check on for every strategy (a test mode: run
+        #: a whole suite or job with the invariants checked at every sync without editing its configuration)
+        self.verify_sync = verify_sync or os.environ.get(VERIFY_ENV, "0") not in ("", "0")
         self.comm_stats = CommStats()
         self.step_counter = StepCounter()
         self._comm: Communicator | None = None
@@ -137,6 +143,7 @@ class SyncStrategy(DDPStrategy):
         self.injector: DataInjector | None = injector
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
         self._sigterm_buf: Tensor | None = None
+        self._verify_after_update: Communicator | None = None  # verify_sync: check replicas after this update
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -247,6 +254,9 @@ class SyncStrategy(DDPStrategy):
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self._verify_after_update is not None:
+            comm, self._verify_after_update = self._verify_after_update, None
+            self._verify(self.flat.state_tensors(), "parameters and buffers after the update", comm)
         self._after_update(optimizer)
         if not self.carries_sigterm and self.world_size > 1:
             self._check_sigterm()
@@ -319,9 +329,14 @@ class SyncStrategy(DDPStrategy):
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
 
-    def average_grads(self, tag: str = "grads", comm: Communicator | None = None) -> None:
+    def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer): one all-reduce per group, over
-        ``comm`` (default: all ranks; a subgroup's communicator averages over its members only)."""
+        ``comm`` (default: all ranks; a subgroup's communicator averages over its members only).
+
+        With :attr:`verify_sync`, the averaged gradients are checked at once; with ``verify_update=True`` as well
+        (methods whose replicas are identical before the step, e.g. BSP) the parameters and buffers are checked
+        again after the optimizer applied them, on the same ranks.
+        """
         comm = comm if comm is not None else self.comm
         flat = self.flat
         flat.stage_buffers()
@@ -330,6 +345,8 @@ class SyncStrategy(DDPStrategy):
         flat.unstage_buffers()
         if self.verify_sync:
             self._verify(tensors, "gradients and buffers", comm)
+            if verify_update:
+                self._verify_after_update = comm
 
     def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
         comm = comm if comm is not None else self.comm

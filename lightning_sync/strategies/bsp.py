@@ -22,5 +22,5 @@ class BSPStrategy(SyncStrategy):
     replicas_diverge = False  # identical gradients every step keep parameters and momentum identical
 
     def _after_backward(self, optimizer: Optimizer) -> None:
-        self.average_grads(tag="grads")
+        self.average_grads(tag="grads", verify_update=True)
         self.step_counter.record(synced=True)

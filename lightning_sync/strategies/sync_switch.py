@@ -211,7 +211,7 @@ class SyncSwitchStrategy(ASPStrategy):
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         if self.protocol == "bsp" and not self._local_step:
-            self.average_grads(comm=self.bsp_comm)
+            self.average_grads(comm=self.bsp_comm, verify_update=True)
 
     def _after_update(self, optimizer: Optimizer) -> None:
         if self._local_step:  # a parked rank's held batch after the epoch ended without it
@@ -373,6 +373,12 @@ class SyncSwitchStrategy(ASPStrategy):
         self.participants = tuple(range(self.world_size))
         self._resync = "leader"
         self._restore_after_epoch = False
+
+    def restore_now(self) -> None:
+        """If parked ranks are due back (an exclusion ended with the epoch): restore the cluster now, on every rank
+        together, instead of at the next epoch start."""
+        self._restore_if_due()
+        self._resync_now()
 
     def _restore_if_due(self) -> None:
         if self._restore_after_epoch:
