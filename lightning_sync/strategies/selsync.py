@@ -34,7 +34,8 @@ class SelSyncStrategy(SyncStrategy):
 
     :math:`\delta=0` syncs every step: with parameter aggregation and identical replicas this is BSP (for SGD
     with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
-    ranks' momentum buffers follows BSP's momentum recursion). The first step has no previous smoothed norm, so
+    ranks' momentum buffers follows BSP's momentum recursion; not with ``gradient_clip_val``, which clips each rank's
+    local gradient before its update, where BSP clips the average). The first step has no previous smoothed norm, so
     no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
     every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 8-byte votes travel.
 
