@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_sync.core.validation import MAX_INT64, check_int
 from lightning_sync.data.seldp import SelDPSampler
 from lightning_sync.strategies.base import SyncStrategy
 
@@ -32,11 +33,20 @@ class SelDP(Callback):
     Lightning has no public hook for swapping a sampler: the strategy applies this in ``process_dataloader``
     and rebuilds the loader with Lightning's private ``_update_dataloader`` helper, which is why the package
     pins ``lightning>=2.6,<2.7``. Works with every lightning_sync strategy (BSP included).
+
+    Args:
+        seed: shuffle seed shared by all ranks, an integer in [0, 2**63 - 1]; ``None`` (default) keeps the seed of
+            the sampler it replaces.
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be an integer >= 0 or None (keep the sampler's seed), got {seed!r}")
+        if seed is not None:
+            try:
+                seed = check_int("seed", seed, 0, MAX_INT64)
+            except ValueError:
+                raise ValueError(
+                    f"seed must be an integer in [0, {MAX_INT64}] or None (keep the sampler's seed), got {seed!r}"
+                ) from None
         self.seed = seed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.base import SyncStrategy
 
 
@@ -36,14 +37,26 @@ class SyncStats(Callback):
     Values are rank 0's (loggers write on rank 0); with the all-reduce based strategies the counts are the same
     on every rank. LSSR is also shown in the progress bar. The callback only reads the strategy's counters: it
     never communicates.
+
+    Args:
+        prefix: string put before every metric name (may be empty).
+        log_every_n_steps: an integer >= 1, or ``None`` for the Trainer's ``log_every_n_steps``.
+        prog_bar: whether LSSR is shown in the progress bar (a bool).
     """
 
     def __init__(self, prefix: str = "sync/", log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
-        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
-            raise ValueError(f"log_every_n_steps must be an integer >= 1 or None, got {log_every_n_steps!r}")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix must be a string (possibly empty), got {prefix!r}")
+        if log_every_n_steps is not None:
+            try:
+                log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1)
+            except ValueError:
+                raise ValueError(
+                    f"log_every_n_steps must be an integer >= 1 or None (the Trainer's), got {log_every_n_steps!r}"
+                ) from None
         self.prefix = prefix
         self.log_every_n_steps = log_every_n_steps
-        self.prog_bar = prog_bar
+        self.prog_bar = check_bool("prog_bar", prog_bar)
         self._last_syncs = 0
         self._t0 = time.perf_counter()
 

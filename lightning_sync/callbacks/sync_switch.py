@@ -18,7 +18,7 @@ from lightning_sync.core.switch import (
     SwitchSchedule,
     ThroughputWindow,
 )
-from lightning_sync.core.validation import check_int, check_real
+from lightning_sync.core.validation import MAX_INT64, check_int, check_real
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class SyncSwitch(Callback):
     Args:
         schedule: the protocol schedule (default BSP for 25%, then ASP).
         policy: ``None`` (the schedule alone), ``"greedy"`` or ``"elastic"``.
-        window: detection window, in BSP steps (>= 1).
+        window: detection window, in BSP steps (an integer in [1, 2**63 - 1]).
         consecutive: windows in a row a rank must be slow to be flagged (>= 1).
         margin: a flagged rank is also below ``(1 - margin)`` × the mean, in [0, 1).
         min_participants: the elastic policy never shrinks the BSP group below this many ranks (>= 1).
@@ -71,7 +71,7 @@ class SyncSwitch(Callback):
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
         self.policy_name = policy
-        self.window = check_int("window", window, 1)
+        self.window = check_int("window", window, 1, MAX_INT64)
         self.consecutive = check_int("consecutive", consecutive, 1)
         self.margin = check_real("margin", margin, 0.0, 1.0, high_open=True)
         self.min_participants = check_int("min_participants", min_participants, 1)

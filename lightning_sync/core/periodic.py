@@ -104,7 +104,12 @@ class ADPSGDController:
         max_period: int = 64,
     ) -> None:
         self.max_period = check_int("max_period", max_period, 1)
-        self.p_init = check_int("p_init", p_init, 1, self.max_period)
+        self.p_init = check_int("p_init", p_init, 1)
+        if self.p_init > self.max_period:
+            raise ValueError(
+                f"p_init must be an integer in [1, max_period] = [1, {self.max_period}], got p_init={p_init!r} with "
+                f"max_period={max_period!r}"
+            )
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.sample_steps = check_int("sample_steps", sample_steps, 0)
         for name, value in (("low", low), ("high", high)):

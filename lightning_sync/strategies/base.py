@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group
 from lightning_sync.core import StepCounter
-from lightning_sync.core.validation import check_int
+from lightning_sync.core.validation import check_bool, check_choice, check_instance, check_int
 from lightning_sync.strategies.injection import DataInjector
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,54 @@ VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
 DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _check_link(link: Any) -> LinkModel | None:
+    if link is None or isinstance(link, LinkModel):
+        return link
+    allowed = "link must be a LinkModel, a string 'BANDWIDTH[,LATENCY]' such as '1gbit,1ms', or None"
+    if not isinstance(link, str):
+        raise ValueError(f"{allowed}; got {link!r}")
+    try:
+        return LinkModel.parse(link)
+    except ValueError as err:
+        raise ValueError(f"{allowed}; {err}") from None
+
+
+def _check_ddp_arguments(
+    accelerator: Any,
+    parallel_devices: Any,
+    cluster_environment: Any,
+    checkpoint_io: Any,
+    precision_plugin: Any,
+    process_group_backend: Any,
+    timeout: Any,
+    start_method: Any,
+) -> None:
+    """Type checks of the arguments passed on to ``DDPStrategy`` (which checks none): a mistake fails here, naming
+    the argument, instead of deep inside the Trainer. What the objects hold (an accelerator's name, a backend's
+    availability) is Lightning's and torch's to check when the Trainer is built and the process group starts."""
+    check_instance(
+        "accelerator", accelerator, (pl.accelerators.Accelerator, str), "a lightning Accelerator, a name such as 'cpu'"
+    )
+    if parallel_devices is not None and (
+        not isinstance(parallel_devices, (list, tuple))
+        or not all(isinstance(d, torch.device) for d in parallel_devices)
+    ):
+        raise ValueError(f"parallel_devices must be a list of torch.device or None, got {parallel_devices!r}")
+    check_instance("cluster_environment", cluster_environment, ClusterEnvironment, "a lightning ClusterEnvironment")
+    check_instance("checkpoint_io", checkpoint_io, CheckpointIO, "a lightning CheckpointIO")
+    check_instance("precision_plugin", precision_plugin, Precision, "a lightning.pytorch Precision plugin")
+    if process_group_backend is not None and (not isinstance(process_group_backend, str) or not process_group_backend):
+        raise ValueError(
+            "process_group_backend must be None (Lightning picks gloo or nccl) or a torch.distributed backend name "
+            f"such as 'gloo' or 'nccl', got {process_group_backend!r}"
+        )
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+        raise ValueError(f"timeout must be a datetime.timedelta > 0 or None (torch's default), got {timeout!r}")
+    check_choice("start_method", start_method, START_METHODS)
 
 
 class SyncStrategy(DDPStrategy):
@@ -67,9 +115,16 @@ class SyncStrategy(DDPStrategy):
         injection: SelSync's data injection for non-IID data, ``(alpha, beta)`` in (0, 1]: the training loader's
             batch size b is reduced to b' = b / (1 + alpha*beta*N) (Eq. 3) and every step ceil(alpha*N) ranks drawn
             from ``injection_seed`` share beta*b' samples with all ranks (see
-            :class:`~lightning_sync.strategies.injection.DataInjector`). Available on every strategy.
-        start_method: how Lightning launches processes when it launches them (``"spawn"`` by default; ignored
-            under torchrun/SLURM, which start the processes themselves). Other arguments are ``DDPStrategy``'s.
+            :class:`~lightning_sync.strategies.injection.DataInjector`). Available on every strategy but the
+            parameter-server ones.
+        injection_seed: seed of the sharing ranks' draw, an integer >= 0.
+        start_method: how Lightning launches processes when it launches them: ``"popen"``, ``"spawn"`` (default),
+            ``"fork"`` or ``"forkserver"``; ignored under torchrun/SLURM, which start the processes themselves.
+        timeout: collective timeout, a ``timedelta`` > 0, or ``None`` for torch's default.
+        process_group_backend: ``None`` (Lightning's choice: gloo on CPU, nccl on GPU) or a backend name.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: ``DDPStrategy``'s,
+            passed on as they are after a type check (a Lightning object of the documented class, or ``None``;
+            ``accelerator`` may also be a name such as ``"cpu"``, resolved by the Trainer).
 
     For method authors: put the math in ``lightning_sync.core`` and keep the subclass to glue. Override
     :meth:`_after_backward` (gradients ready, before the update) and/or :meth:`_after_update`; call
@@ -108,16 +163,22 @@ class SyncStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "spawn",
     ) -> None:
-        if isinstance(link, str):
-            link = LinkModel.parse(link)
-        if link is not None and not isinstance(link, LinkModel):
-            raise ValueError(f"link must be a LinkModel, a string like '1gbit,1ms', or None; got {link!r}")
-        if not isinstance(verify_sync, bool):
-            raise ValueError(f"verify_sync must be a bool, got {verify_sync!r}")
+        link = _check_link(link)
+        check_bool("verify_sync", verify_sync)
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
         injection_seed = check_int("injection_seed", injection_seed, 0)
         injector = DataInjector(*injection, seed=injection_seed) if injection else None
+        _check_ddp_arguments(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -24,7 +24,8 @@ class LocalSGDStrategy(SyncStrategy):
     average of the ranks' updated parameters equals the update with the averaged gradient and the averaged momentum
     — and the average of the ranks' momentum buffers obeys BSP's momentum recursion. Parameters are re-averaged
     every step, so they stay equal; momentum buffers are never communicated. (Not so for Adam: its update is
-    nonlinear in the gradient.)
+    nonlinear in the gradient; nor with ``gradient_clip_val``: each rank clips its own gradient before its local
+    update, where BSP clips the averaged one.)
 
     Unlike Lightning's ``DDPStrategy(model_averaging_period=...)``, this works on gloo/CPU as on NCCL/GPU, averages
     buffers too, and checkpoints its step counter. SIGTERM is checked at averaging steps only (local steps stay

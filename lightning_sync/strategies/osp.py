@@ -56,7 +56,7 @@ class OSPStrategy(SyncStrategy):
     Args:
         bandwidth: link bandwidth for Eq. 5 (``"1gbit"``, bits/s); ``None`` measures it from the RS all-reduces.
         max_unimportant_fraction: cap of :math:`U_{max}` as a fraction of the model, in [0, 1) (paper: 0.8).
-        loss_rate: the link's loss rate in Eq. 5, >= 0.
+        loss_rate: the link's loss rate in Eq. 5, a fraction of packets lost in [0, 1].
         fixed_share: use this fraction of the model, in [0, 1), as :math:`S(G^u)` every step instead of
             Algorithm 1.
 
@@ -82,7 +82,7 @@ class OSPStrategy(SyncStrategy):
         self.max_unimportant_fraction = check_real(
             "max_unimportant_fraction", max_unimportant_fraction, 0.0, 1.0, high_open=True
         )
-        self.loss_rate = check_real("loss_rate", loss_rate, 0.0)
+        self.loss_rate = check_real("loss_rate", loss_rate, 0.0, 1.0)
         self.fixed_share = (
             None if fixed_share is None else check_real("fixed_share", fixed_share, 0.0, 1.0, high_open=True)
         )

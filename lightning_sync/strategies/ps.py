@@ -67,7 +67,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.shard_size = check_int("shard_size", shard_size, 1)
         if kwargs.get("injection") is not None:
             raise ValueError(
-                f"injection is not supported by {type(self).__name__}: with dynamic work assignment every rank draws "
+                f"injection must be None for {type(self).__name__}: with dynamic work assignment every rank draws "
                 "batches from one shared order, so there is no per-rank partition to inject into. Use injection with "
                 "BSP, SelSync, local SGD, FedAvg, ADPSGD or OSP."
             )
@@ -147,7 +147,7 @@ class ParameterServerStrategy(SyncStrategy):
         super().setup_environment()
         assert self.cluster_environment is not None
         self._work = WorkCounter(
-            self.comm, self.cluster_environment.main_address, self.comm_stats, timeout=self._timeout
+            self.comm, self.cluster_environment.main_address, self.comm_stats, timeout=self._wait_timeout
         )
 
     def _on_flat_ready(self) -> None:

@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
 from lightning_sync.core import GradientChangeTracker, wants_sync
-from lightning_sync.core.validation import check_int, check_real
+from lightning_sync.core.validation import MAX_INT64, check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
 
 Aggregation = Literal["parameters", "gradients"]
@@ -34,13 +34,14 @@ class SelSyncStrategy(SyncStrategy):
 
     :math:`\delta=0` syncs every step: with parameter aggregation and identical replicas this is BSP (for SGD
     with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
-    ranks' momentum buffers follows BSP's momentum recursion). The first step has no previous smoothed norm, so
+    ranks' momentum buffers follows BSP's momentum recursion; not with ``gradient_clip_val``, which clips each rank's
+    local gradient before its update, where BSP clips the average). The first step has no previous smoothed norm, so
     no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
     every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 8-byte votes travel.
 
     Args:
         delta: threshold :math:`\delta \ge 0` on the relative gradient change (``float('inf')`` allowed).
-        window: EWMA window in steps (paper: 25), an integer >= 1.
+        window: EWMA window in steps (paper: 25), an integer in [1, 2**63 - 1].
         smoothing: EWMA factor in (0, 1]; ``None`` uses the paper's :math:`N/100` for world size N (capped at 1).
         aggregation: ``"parameters"`` (the paper's recommendation) or ``"gradients"``.
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
@@ -59,7 +60,7 @@ class SelSyncStrategy(SyncStrategy):
         **kwargs: Any,
     ) -> None:
         check_real("delta", delta, 0.0, allow_inf=True)
-        check_int("window", window, 1)
+        check_int("window", window, 1, MAX_INT64)
         if smoothing is not None:
             check_real("smoothing", smoothing, 0.0, 1.0, low_open=True)
         if aggregation not in ("parameters", "gradients"):

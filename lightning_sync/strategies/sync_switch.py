@@ -58,7 +58,8 @@ class SyncSwitchStrategy(ASPStrategy):
 
     ``Trainer(strategy="sync_switch")`` without a ``SyncSwitch`` callback adds ``SyncSwitch()`` (BSP for the first
     25% of the workload, then ASP). Everything the parameter-server strategies reject at setup is rejected here too
-    (ranks run different numbers of steps under ASP); ``max_epochs`` must be set (the schedule is a fraction of it).
+    (ranks run different numbers of steps under ASP); ``max_epochs`` must be set (the schedule is a fraction of it);
+    ``accumulate_grad_batches`` must be 1 (the workload is counted in batch positions per optimizer step).
 
     Args:
         bsp_lr_scale: learning-rate factor under BSP; ``None`` (default) = the number of BSP participants (linear
@@ -70,6 +71,10 @@ class SyncSwitchStrategy(ASPStrategy):
 
     strategy_name = "sync_switch"
     strategy_description = "Sync-Switch: BSP then ASP in the same processes, with online straggler policies"
+    #: The schedule and the BSP quota count batch positions per optimizer step and the policies time steps; with
+    #: accumulation a step spans several positions (the quota would be undercounted) and the callback could
+    #: switch between the micro-batches of one step.
+    supports_accumulation = False
 
     def __init__(
         self,
