@@ -127,6 +127,9 @@ class ParameterServerStrategy(SyncStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and self._work is not None:
             dataloader = dynamic_loader(dataloader, claim=self._claim, on_exhausted=self._on_exhausted)
+            # Lightning creates the iterator (and prefetches, claiming a position) before its first set_epoch; a
+            # run resumed from an epoch-end checkpoint must start in the epoch it resumes (its shuffle, its counter)
+            dataloader.batch_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
         return dataloader
 
     def _claim(self, epoch: int) -> int:
