@@ -46,6 +46,8 @@ from lightning_sync.strategies.injection import DataInjector
 log = logging.getLogger(__name__)
 
 _CKPT_KEY = "lightning_sync"
+#: names of Lightning's own barriers that belong to saving or restoring a checkpoint
+_CHECKPOINT_BARRIERS = frozenset({"Trainer.save_checkpoint", "_CheckpointConnector.resume_end"})
 #: environment variable that turns ``verify_sync`` on for every strategy (test mode)
 VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
@@ -204,6 +206,7 @@ class SyncStrategy(DDPStrategy):
         self.injector: DataInjector | None = injector
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
         self._sigterm_buf: Tensor | None = None
+        self._restored_comm: dict[str, Any] | None = None
         self._verify_after_update: Communicator | None = None  # verify_sync: check replicas after this update
 
     # ------------------------------------------------------------------ registry
@@ -329,6 +332,12 @@ class SyncStrategy(DDPStrategy):
     # ------------------------------------------------------------------ Lightning's per-step SIGTERM collective
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._restored_comm is not None:
+            # A resumed run's own start-up traffic (the initial broadcast, Lightning's restore barriers, setting up
+            # the servers) is not added: the totals continue from the checkpoint, which already holds the
+            # uninterrupted run's start-up, so a resumed run logs the same totals as an uninterrupted one.
+            self.comm_stats.load_state_dict(self._restored_comm)
+            self._restored_comm = None
         # Lightning 2.6 broadcasts rank 0's SIGTERM flag at the start of every training step
         # (``_TrainingEpochLoop._broadcast_sigterm_tensor``), straight through torch.distributed. Route it through
         # the communicator (counted, link-emulated) or, for methods that already communicate every step, fold it
@@ -450,6 +459,7 @@ class SyncStrategy(DDPStrategy):
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         self.comm_stats.load_state_dict(state["comm"])
+        self._restored_comm = state["comm"]  # applied again when training starts (see on_train_start)
         self.step_counter.load_state_dict(state["steps"])
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
@@ -555,10 +565,12 @@ class SyncStrategy(DDPStrategy):
         self.comm.all_reduce(tensor, op=op, tag="lightning")
         return tensor
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if self._comm is None:
-            return super().barrier(*args, **kwargs)
-        self.comm.barrier(tag="lightning")
+            return super().barrier(name, *args, **kwargs)
+        # Lightning's barriers around saving and restoring a checkpoint are checkpoint bookkeeping, not training
+        # traffic: the one after a save comes after the saved totals were taken, so a resumed run never has it
+        self.comm.barrier(tag="checkpoint" if name in _CHECKPOINT_BARRIERS else "lightning")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._comm is None:
