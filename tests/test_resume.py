@@ -1,0 +1,315 @@
+"""Resume equivalence for every strategy: one parametrized suite.
+
+Two CPU processes (torchrun-style, ``tests/launch.py``) run, for each strategy, an uninterrupted fit and a fit resumed
+from a checkpoint of the same run, then the tests compare them:
+
+* **Deterministic strategies** (BSP, SelSync, local SGD, FedAvg, ADPSGD, OSP): checkpoint mid-epoch (in the second
+  epoch, after every schedule has left its warm-up), resume, and the end is *exact*: bit-identical parameters on
+  every rank, identical per-rank method state (counters, EWMA, period, C2, ICS schedule...) and identical communication
+  totals. All run with ``verify_sync=True``, so every sync of both runs also checked that the ranks agree.
+* **Asynchronous strategies** (ASP, SSP, ALADDIN): ranks only meet at epoch ends, so checkpoints are taken there
+  (step-based checkpointing is rejected at setup). What must hold is that the state is restored *exactly* — server
+  parameters and clocks, each rank's replica, counters, ALADDIN's mailbox — with nothing in flight when it was
+  saved. The trajectory after the resume may differ from the uninterrupted run's: which rank trains which batch is
+  decided by the ranks' speed at run time (a shared work counter), so the interleaving of pushes and pulls, and thus
+  the floating-point result, is not reproducible even between two uninterrupted runs. Every batch is still trained
+  exactly once per epoch, so the steps summed over the ranks are equal.
+* **Sync-Switch** (BSP for the first half of the workload, then ASP): a checkpoint in the BSP phase resumes exactly
+  (the switch happens at the same step and position, with bit-identical replicas); one in the ASP phase restores the
+  state exactly, as the asynchronous strategies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import run_external
+
+WORLD = 2
+EPOCHS = 3
+BATCH = 64
+TIMEOUT = timedelta(seconds=120)
+EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp")
+ASYNC = ("asp", "ssp", "aladdin")
+#: state entries that are wall-clock measurements, not trajectory (per-tag blocked seconds, measured times)
+TIME_KEYS = frozenset({"blocked_seconds", "blocked_s", "seconds", "ics_wait_s", "overlap"})
+#: state lists that hold a measured time beside trajectory values: the indices that are not times
+#: (OSP: [compute seconds, steps, loss sum] and [RS bytes, RS seconds] of the epoch so far)
+PARTLY_TIMED = {"epoch_stats": slice(1, None), "rs_bytes_seconds": slice(0, 1)}
+
+
+def _strategy(name: str):
+    from lightning_sync import (
+        ADPSGDStrategy,
+        ALADDINStrategy,
+        ASPStrategy,
+        BSPStrategy,
+        FedAvgStrategy,
+        LocalSGDStrategy,
+        OSPStrategy,
+        SelSyncStrategy,
+        SSPStrategy,
+        SyncSwitchStrategy,
+    )
+
+    common = dict(timeout=TIMEOUT)
+    sync = dict(common, verify_sync=True)
+    return {
+        "bsp": lambda: BSPStrategy(**sync),
+        "selsync": lambda: SelSyncStrategy(delta=0.05, **sync),
+        "localsgd": lambda: LocalSGDStrategy(period=3, **sync),
+        "fedavg": lambda: FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **sync),
+        "adpsgd": lambda: ADPSGDStrategy(p_init=2, warmup_epochs=1, **sync),
+        "osp": lambda: OSPStrategy(bandwidth="100gbit", **sync),  # U_max at its cap: no measured time in the schedule
+        "asp": lambda: ASPStrategy(**common),
+        "ssp": lambda: SSPStrategy(staleness=2, **common),
+        "aladdin": lambda: ALADDINStrategy(period=2, **common),
+        "sync_switch": lambda: SyncSwitchStrategy(**sync),
+    }[name]()
+
+
+def _float_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _suite(rank: int, out_dir: str) -> None:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from lightning_sync.callbacks import SyncSwitch
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    out = Path(out_dir)
+    res: dict[str, Any] = {}
+
+    class AtStart(Callback):
+        """What the strategy holds when training (re)starts: restored state, before the first batch is fetched
+        (epoch start) or, resuming mid-epoch (no epoch-start hook), before its first step."""
+
+        state: dict | None = None
+
+        def _record(self, trainer, pl_module):
+            if self.state is None:
+                self.state = trainer.strategy.strategy_state()
+                self.model = _float_state(pl_module)
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self._record(trainer, pl_module)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._record(trainer, pl_module)
+
+    class AtEnd(Callback):
+        """The strategy's state and totals when training ends (the parameter server is still up)."""
+
+        def on_train_end(self, trainer, pl_module):
+            self.state = trainer.strategy.strategy_state()
+            self.metrics = trainer.strategy.sync_metrics()
+
+    class AtSwitch(Callback):
+        """Sync-Switch: the replica at the first batch after the BSP->ASP switch (identical on every rank)."""
+
+        model: dict | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.model is None and trainer.strategy.protocol == "asp":
+                self.model = _float_state(pl_module)
+
+    def fit(name: str, run: str, callbacks: list, ckpt_path: str | None = None) -> pl.Trainer:
+        pl.seed_everything(0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=_strategy(name),
+            max_epochs=EPOCHS,
+            callbacks=[*callbacks, end := AtEnd()],
+            **quiet_trainer_kwargs(limit_val_batches=0, enable_checkpointing=True, default_root_dir=str(out)),
+        )
+        model = DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
+        trainer.fit(model, DigitsDataModule(batch_size=BATCH), ckpt_path=ckpt_path)
+        torch.save(
+            {
+                "model": _float_state(model),
+                "metrics": end.metrics,
+                "state": end.state,
+                "global_step": trainer.global_step,
+            },
+            out / f"{name}_{run}_rank{rank}.pt",
+        )
+        dist.barrier()
+        return trainer
+
+    dm = DigitsDataModule(batch_size=BATCH)
+    dm.setup("fit")
+    assert dm.train_dataset is not None
+    steps_per_epoch = math.ceil(math.ceil(len(dm.train_dataset) / WORLD) / BATCH)  # DistributedSampler pads
+    res["steps_per_epoch"] = steps_per_epoch
+
+    # deterministic strategies: a checkpoint at step C, in the middle of the second epoch
+    for name in EXACT:
+        ckdir = out / f"ckpt_{name}"
+        at = steps_per_epoch + steps_per_epoch // 2
+        mc = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=at, save_top_k=-1, filename="{step}")
+        fit(name, "full", [mc])
+        start = AtStart()
+        # the same checkpointing as the uninterrupted run (saving is collective: Lightning's barriers are counted)
+        mc = ModelCheckpoint(dirpath=out / f"ckpt_{name}_resumed", every_n_train_steps=at, save_top_k=-1)
+        fit(name, "resumed", [start, mc], ckpt_path=str(ckdir / f"step={at}.ckpt"))
+        torch.save({"state": start.state, "model": start.model}, out / f"{name}_start_rank{rank}.pt")
+        res[f"{name}_ckpt_step"] = at
+
+    # asynchronous strategies: a checkpoint at the end of the first epoch
+    for name in ASYNC:
+        ckdir = out / f"ckpt_{name}"
+        mc = ModelCheckpoint(dirpath=ckdir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+        fit(name, "full", [mc])
+        start = AtStart()
+        mc = ModelCheckpoint(dirpath=out / f"ckpt_{name}_resumed", every_n_epochs=1, save_top_k=-1)
+        fit(name, "resumed", [start, mc], ckpt_path=str(ckdir / "epoch=0.ckpt"))
+        torch.save({"state": start.state, "model": start.model}, out / f"{name}_start_rank{rank}.pt")
+
+    # Sync-Switch: BSP for half of the workload (1.5 epochs), then ASP; checkpoints at every epoch end
+    ckdir = out / "ckpt_sync_switch"
+    schedule = [("bsp", 0.5), ("asp", 1.0)]
+    switch = AtSwitch()
+    mc = ModelCheckpoint(dirpath=ckdir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit("sync_switch", "full", [SyncSwitch(schedule=schedule), mc, switch])
+    saved = {"full_switch": switch.model}
+    for ckpt, run in (("epoch=0.ckpt", "resumed_bsp"), ("epoch=1.ckpt", "resumed_asp")):
+        start, switch = AtStart(), AtSwitch()
+        mc = ModelCheckpoint(dirpath=out / f"ckpt_sync_switch_{run}", every_n_epochs=1, save_top_k=-1)
+        fit("sync_switch", run, [SyncSwitch(schedule=schedule), start, switch, mc], ckpt_path=str(ckdir / ckpt))
+        saved[f"{run}_switch"] = switch.model
+        torch.save({"state": start.state, "model": start.model}, out / f"sync_switch_{run}_start_rank{rank}.pt")
+    torch.save(saved, out / f"sync_switch_models_rank{rank}.pt")
+    (out / f"res_rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    run_external(_suite, WORLD, str(out))
+    return out, [json.loads((out / f"res_rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _load(path: Path) -> Any:
+    return torch.load(path, weights_only=False)
+
+
+def _strip(value: Any) -> Any:
+    """``value`` without wall-clock measurements (keys in TIME_KEYS) and bookkeeping traffic (the per-tag entries
+    of the checkpoint's own messages, which the uninterrupted run sent after the state it saved was taken),
+    tensors as lists, for exact comparison."""
+    from lightning_sync.comm.accounting import BOOKKEEPING_TAGS
+
+    if isinstance(value, dict):
+        return {
+            k: _strip(v[PARTLY_TIMED[k]] if k in PARTLY_TIMED else v)
+            for k, v in value.items()
+            if k not in TIME_KEYS and k not in BOOKKEEPING_TAGS
+        }
+    if isinstance(value, (list, tuple)):
+        return [_strip(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return value
+
+
+def _training(metrics: dict[str, float]) -> dict[str, float]:
+    """Logged communication totals and counters, without times and without bookkeeping traffic (the checkpoint's
+    own gather, which the uninterrupted run paid after the state it saved was taken)."""
+    from lightning_sync.comm.accounting import BOOKKEEPING_TAGS
+
+    skip = {f"bytes_{t}" for t in BOOKKEEPING_TAGS}
+    return {k: v for k, v in metrics.items() if k not in skip and k not in TIME_KEYS}
+
+
+def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _part(out: Path, name: str, ckpt: str, rank: int) -> dict[str, Any]:
+    return _load(out / f"ckpt_{name}" / f"{ckpt}.rank{rank}")
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("name", EXACT)
+def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(suite, name):
+    out, res = suite
+    spe, at = res[0]["steps_per_epoch"], res[0][f"{name}_ckpt_step"]
+    assert spe < at < 2 * spe  # mid-epoch, in the second epoch
+    for rank in range(WORLD):
+        full, resumed = _load(out / f"{name}_full_rank{rank}.pt"), _load(out / f"{name}_resumed_rank{rank}.pt")
+        assert full["global_step"] == resumed["global_step"] == EPOCHS * spe
+        assert _same_tensors(resumed["model"], full["model"])  # bit-identical parameters and buffers
+        assert _training(resumed["metrics"]) == _training(full["metrics"])  # LSSR, steps, bytes per tag, ops
+        assert _strip(resumed["state"]) == _strip(full["state"])  # every piece of per-rank method state
+        # the resumed run restarted from exactly what the checkpoint part holds
+        start, part = _load(out / f"{name}_start_rank{rank}.pt"), _part(out, name, f"step={at}.ckpt", rank)
+        assert _strip(start["state"]) == _strip(part["strategy_state"])
+    assert full["metrics"]["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("name", ASYNC)
+def test_asynchronous_strategy_restores_server_replicas_and_counters_exactly(suite, name):
+    out, _ = suite
+    steps = {}
+    for rank in range(WORLD):
+        part = _part(out, name, "epoch=0.ckpt", rank)
+        start = _load(out / f"{name}_start_rank{rank}.pt")
+        saved, restored = part["strategy_state"], start["state"]
+        # server shard parameters, clocks, push counters, mailbox; step counters and communication totals
+        assert _strip(restored) == _strip(saved)
+        assert saved["ps"]["clocks"] and saved["steps"]["sync_steps"] + saved["steps"]["local_steps"] > 0
+        replica = {k: v for k, v in part["state_dict"].items() if v.is_floating_point()}
+        assert _same_tensors(start["model"], replica)  # this rank's own replica, not rank 0's
+        for run in ("full", "resumed"):
+            s = _load(out / f"{name}_{run}_rank{rank}.pt")["state"]["steps"]
+            steps[run] = steps.get(run, 0) + s["sync_steps"] + s["local_steps"]
+        resumed = _load(out / f"{name}_resumed_rank{rank}.pt")
+        assert all(torch.isfinite(v).all() for v in resumed["model"].values())
+    main = _load(out / f"ckpt_{name}" / "epoch=0.ckpt")
+    assert main["lightning_sync"]["world_size"] == WORLD
+    # every batch is trained exactly once per epoch whatever rank took it: the totals over the ranks agree
+    assert steps["resumed"] == steps["full"]
+
+
+def test_sync_switch_resumed_in_the_bsp_phase_switches_at_the_same_point_with_identical_replicas(suite):
+    out, _ = suite
+    for rank in range(WORLD):
+        full = _load(out / f"sync_switch_full_rank{rank}.pt")
+        resumed = _load(out / f"sync_switch_resumed_bsp_rank{rank}.pt")
+        switches = [_strip(s) for s in full["state"]["sync_switch"]["switches"]]
+        assert [(s["from"], s["to"]) for s in switches] == [("bsp", "asp")]
+        assert switches[0]["epoch"] == 1  # half of 3 epochs: in the middle of the second
+        assert [_strip(s) for s in resumed["state"]["sync_switch"]["switches"]] == switches
+        assert full["state"]["sync_switch"]["bsp_batches"] == resumed["state"]["sync_switch"]["bsp_batches"]
+        models = _load(out / f"sync_switch_models_rank{rank}.pt")
+        assert _same_tensors(models["resumed_bsp_switch"], models["full_switch"])
+        start = _load(out / f"sync_switch_resumed_bsp_start_rank{rank}.pt")
+        assert start["state"]["sync_switch"]["protocol"] == "bsp"
+        assert _strip(start["state"]) == _strip(_part(out, "sync_switch", "epoch=0.ckpt", rank)["strategy_state"])
+    replicas = [_load(out / f"sync_switch_models_rank{r}.pt")["full_switch"] for r in range(WORLD)]
+    assert _same_tensors(replicas[0], replicas[1])  # BSP kept the replicas identical up to the switch
+
+
+def test_sync_switch_resumed_in_the_asp_phase_restores_the_state_exactly(suite):
+    out, _ = suite
+    for rank in range(WORLD):
+        part = _part(out, "sync_switch", "epoch=1.ckpt", rank)
+        start = _load(out / f"sync_switch_resumed_asp_start_rank{rank}.pt")
+        assert part["strategy_state"]["sync_switch"]["protocol"] == "asp"
+        assert _strip(start["state"]) == _strip(part["strategy_state"])
+        resumed = _load(out / f"sync_switch_resumed_asp_rank{rank}.pt")
+        assert len(resumed["state"]["sync_switch"]["switches"]) == 1  # no second switch after the resume
