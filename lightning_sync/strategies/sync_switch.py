@@ -398,9 +398,20 @@ class SyncSwitchStrategy(ASPStrategy):
         state = self.flat.state_tensors()[0]
         if kind == "global":
             state.copy_(self._gather_global("switch"))
+            self._take_optimizer_state(self.participants[0])
         else:
             self._take_from(self._resync_src)
+            self._take_optimizer_state(self._resync_src)
         self._t_prev = None
+
+    def _take_optimizer_state(self, src: int) -> None:
+        """Every rank takes ``src``'s optimizer state (momentum buffers...): after ASP steps or a parked rank's
+        local step they differ, and BSP with identical gradients on identical parameters would still drift apart
+        through them. One object broadcast per resync (epoch boundaries only)."""
+        for optimizer in self.lightning_module.trainer.optimizers:
+            state = self.comm.broadcast_object(optimizer.state_dict(), src=src, tag="switch")
+            if self.global_rank != src:
+                optimizer.load_state_dict(state)
 
     def _take_from(self, src: int) -> None:
         """Every rank takes ``src``'s replica and BSP counters (a rank coming back from being parked missed them)."""
