@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_sync.comm.link import parse_bandwidth
-from lightning_sync.core.validation import check_int
+from lightning_sync.core.validation import check_int, check_real
 
 
 def cluster_available() -> tuple[bool, str]:
@@ -65,6 +65,8 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float, grace: float = 1
     process exits non-zero the others get ``grace`` seconds, then are killed; all are killed at ``timeout`` seconds.
     Every process has exited when this returns.
     """
+    timeout = check_real("timeout", timeout, 0.0, low_open=True)
+    grace = check_real("grace", grace, 0.0)
     deadline = time.monotonic() + timeout
     try:
         while True:

@@ -223,3 +223,7 @@ def test_wait_all_kills_everything_at_the_timeout_and_returns_codes_of_finished_
     assert wait_all(procs, timeout=0.2) == [-9]
     procs = [subprocess.Popen(["true"], start_new_session=True) for _ in range(2)]
     assert wait_all(procs, timeout=60) == [0, 0]
+    with pytest.raises(ValueError, match="timeout"):
+        wait_all(procs, timeout=0)
+    with pytest.raises(ValueError, match="grace"):
+        wait_all(procs, timeout=1, grace=-1)
