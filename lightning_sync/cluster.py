@@ -3,9 +3,13 @@ rate-limited in the kernel with a ``tbf`` qdisc (both directions), addresses fro
 
 Processes started with :meth:`NamespaceCluster.popen` run "on" a host: gloo traffic between hosts crosses the
 rate-limited links for real, so a benchmark sees what a cluster of that bandwidth would (latency cannot be added:
-``netem`` is not available on these machines; use :class:`~lightning_sync.comm.LinkModel` for that). Needs root and
-iproute2 (``ip``, ``tc``). The namespaces are removed on every exit path: leaving the ``with`` block (also on an
-exception), ``atexit``, and SIGTERM/SIGINT while it is active.
+``netem`` is not available on these machines; use :class:`~lightning_sync.comm.LinkModel` for that). A host can run
+several processes (:meth:`NamespaceCluster.launch` with ``procs_per_host``): each gets the environment a multi-node
+launcher such as torchrun gives it (``MASTER_ADDR`` = host 0's address, ``NODE_RANK``, ``LOCAL_RANK``, ``RANK``,
+``WORLD_SIZE``), so a ``Trainer(num_nodes=hosts, devices=procs_per_host)`` goes multi-node by configuration alone.
+Needs root and iproute2 (``ip``, ``tc``). The namespaces are removed, and every process this cluster started that is
+still running is killed first, on every exit path: leaving the ``with`` block (also on an exception), ``atexit``,
+and SIGTERM/SIGINT while it is active.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_sync.comm.link import parse_bandwidth
-from lightning_sync.core.validation import check_int
+from lightning_sync.core.validation import check_int, check_real
 
 
 def cluster_available() -> tuple[bool, str]:
@@ -39,6 +44,47 @@ def _run(*args: str) -> None:
     subprocess.run(list(args), check=True, capture_output=True, text=True)
 
 
+def kill(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and its process group if it is still running (processes from :meth:`NamespaceCluster.popen`
+    lead their own session, so whatever they started goes too), and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait for anything but the kernel
+        pass
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float, grace: float = 10.0) -> list[int]:
+    """Wait for every process of a job and return their exit codes (negative: killed by that signal).
+
+    A job whose rank failed cannot finish (the others block in a collective until their own timeout), so once any
+    process exits non-zero the others get ``grace`` seconds, then are killed; all are killed at ``timeout`` seconds.
+    Every process has exited when this returns.
+    """
+    timeout = check_real("timeout", timeout, 0.0, low_open=True)
+    grace = check_real("grace", grace, 0.0)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # every process, every round (``any`` would stop at the first)
+            if all(code is not None for code in codes):
+                break
+            now = time.monotonic()
+            if any(code not in (None, 0) for code in codes):
+                deadline = min(deadline, now + grace)
+            if now >= deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            kill(p)
+    return [int(p.returncode) for p in procs]
+
+
 class NamespaceCluster:
     """``hosts`` namespaces ``<prefix>h<i>`` with address ``169.254.<subnet>.<i+1>``, each joined to a bridge in
     ``<prefix>sw`` by a veth link limited to ``rate`` in each direction (tbf with a burst of 10 ms of traffic)."""
@@ -52,6 +98,7 @@ class NamespaceCluster:
             raise ValueError(f"prefix must be at most 8 characters (interface names are limited), got {self.prefix!r}")
         self._created: list[str] = []
         self._previous_handlers: dict[int, Any] = {}
+        self._procs: list[subprocess.Popen] = []
 
     # ------------------------------------------------------------------ names
     def namespace(self, i: int) -> str:
@@ -115,7 +162,10 @@ class NamespaceCluster:
                      "latency", "100ms")  # fmt: skip
 
     def destroy(self) -> None:
-        """Delete every namespace this cluster made (their veth links go with them). Idempotent."""
+        """Kill every process this cluster started that still runs, then delete every namespace it made (their veth
+        links go with them; a namespace with a process left in it would outlive its name). Idempotent."""
+        while self._procs:
+            kill(self._procs.pop())
         while self._created:
             ns = self._created.pop()
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -129,21 +179,62 @@ class NamespaceCluster:
         return [line.split()[0] for line in out.splitlines() if line.startswith(self.prefix)]
 
     # ------------------------------------------------------------------ processes
-    def env(self, i: int, master_port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment of a one-process-per-host job on host ``i`` (torchrun-like: Lightning launches nothing)."""
+    def env(
+        self,
+        i: int,
+        master_port: int,
+        extra: dict[str, str] | None = None,
+        local_rank: int = 0,
+        procs_per_host: int = 1,
+    ) -> dict[str, str]:
+        """The environment of process ``local_rank`` of ``procs_per_host`` on host ``i``, as torchrun would set it
+        for a multi-node job (Lightning launches nothing; ``Trainer(num_nodes=hosts, devices=procs_per_host)``)."""
+        procs_per_host = check_int("procs_per_host", procs_per_host, 1)
+        local_rank = check_int("local_rank", local_rank, 0, procs_per_host - 1)
+        check_int("i", i, 0, self.hosts - 1)
         env = dict(os.environ)
         env.update(
             MASTER_ADDR=self.address(0),
             MASTER_PORT=str(master_port),
-            WORLD_SIZE=str(self.hosts),
-            RANK=str(i),
+            WORLD_SIZE=str(self.hosts * procs_per_host),
+            RANK=str(i * procs_per_host + local_rank),
             NODE_RANK=str(i),
-            LOCAL_RANK="0",
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(procs_per_host),
             GLOO_SOCKET_IFNAME=self.interface(i),
         )
         env.update(extra or {})
         return env
 
     def popen(self, i: int, cmd: Sequence[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``cmd`` inside host ``i``'s namespace."""
-        return subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *cmd], env=env, **kwargs)
+        """Start ``cmd`` inside host ``i``'s namespace, in a session of its own; :meth:`destroy` kills it if it is
+        still running."""
+        kwargs.setdefault("start_new_session", True)
+        self._procs = [p for p in self._procs if p.poll() is None]
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *cmd], env=env, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def launch(
+        self,
+        cmd: Sequence[str] | Callable[[int, int], Sequence[str]],
+        master_port: int,
+        procs_per_host: int = 1,
+        extra: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> list[subprocess.Popen]:
+        """Start a multi-node job: ``procs_per_host`` processes on every host, each with :meth:`env`. ``cmd`` is
+        one command for all, or ``cmd(host, local_rank)``. Returns the processes in global rank order; wait for them
+        with :func:`wait_all`. If a start fails, the processes already started are killed."""
+        procs: list[subprocess.Popen] = []
+        try:
+            for i in range(self.hosts):
+                for local_rank in range(procs_per_host):
+                    argv = cmd(i, local_rank) if callable(cmd) else cmd
+                    env = self.env(i, master_port, extra, local_rank=local_rank, procs_per_host=procs_per_host)
+                    procs.append(self.popen(i, argv, env, **kwargs))
+        except BaseException:
+            for p in procs:
+                kill(p)
+            raise
+        return procs
