@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group
+from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
 from lightning_sync.core import StepCounter
 from lightning_sync.core.validation import check_int
 from lightning_sync.strategies.injection import DataInjector
@@ -510,6 +510,14 @@ class SyncStrategy(DDPStrategy):
             if self.injector is not None:
                 dataloader = self.injector.rebuild_loader(dataloader, self.world_size)
         return dataloader
+
+    # ------------------------------------------------------------------ failures
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one stops, before Lightning tears down and the process exits: their next
+        operation with this rank raises :class:`~lightning_sync.comm.PeerFailure` naming it and its error."""
+        if self._comm is not None and self.world_size > 1:
+            report_failure(exception)
+        super().on_exception(exception)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
