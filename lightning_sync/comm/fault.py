@@ -11,6 +11,10 @@
   error`` (killed, crashed or hung); a store that cannot be reached means the process hosting it is gone (rank 0
   under ``MASTER_ADDR``/``MASTER_PORT`` rendezvous).
 
+When the failed rank hosted the store (rank 0 under Lightning's launchers, SLURM or a plain ``env://`` start), its
+report goes with it: the survivors can only say that rank 0 is most likely gone and point to its log. Under torchrun
+the elastic agent hosts the store, which outlives rank 0, so rank 0's report is quoted like any other.
+
 Everything here is best effort and bounded: reading and writing reports never raises (a failure to do so is said in
 the message) and the grace period is at most :data:`MAX_GRACE_S`.
 """
@@ -165,6 +169,8 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
     :data:`MAX_GRACE_S`) is over; ranks that said nothing by then are named as gone.
     """
     global _last
+    if not (dist.is_available() and dist.is_initialized()):
+        return PeerFailure(f"{what} failed with {_short(err)} (no process group left to ask)", -1, [], {})
     rank, world_size = dist.get_rank(), dist.get_world_size()
     noticed = f"Rank {rank} stops: {what} failed with {_short(err)}"
     if _last is not None:
