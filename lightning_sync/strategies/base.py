@@ -401,7 +401,7 @@ class SyncStrategy(DDPStrategy):
             part["optimizer_states"] = checkpoint.get("optimizer_states")
         # Name every part after rank 0's file: a file name with {step} differs between ranks whose step counts differ
         # (asynchronous methods), and resume looks for <rank 0's file>.rank<r>. Removal maps back without a collective.
-        # Rank 0's id for this save goes in the same broadcast.
+        # Rank 0's fresh id for this save travels in the same broadcast.
         shared, ckpt_id = (str(filepath), uuid.uuid4().hex)
         if self.world_size > 1:
             shared, ckpt_id = self.comm.broadcast_object((shared, ckpt_id), tag="checkpoint")
