@@ -2,7 +2,17 @@
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import CommHandle, Communicator, destroy_default_group
+from lightning_sync.comm.fault import PeerFailure, report_failure
 from lightning_sync.comm.flat import FlatState
 from lightning_sync.comm.link import LinkModel
 
-__all__ = ["CommHandle", "CommStats", "Communicator", "FlatState", "LinkModel", "destroy_default_group"]
+__all__ = [
+    "CommHandle",
+    "CommStats",
+    "Communicator",
+    "FlatState",
+    "LinkModel",
+    "PeerFailure",
+    "destroy_default_group",
+    "report_failure",
+]

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
+from lightning_sync.comm.fault import default_timeout, failures, reset
 from lightning_sync.comm.link import LinkModel
 
 _OPS = {
@@ -40,7 +41,8 @@ class CommHandle:
 
     Wraps the ``torch.distributed`` ``Work``; with link emulation it is not complete before its emulated
     arrival time (launch + ``latency + bytes/bandwidth``). :meth:`wait` charges the time spent waiting to the
-    accounting as blocked time; :meth:`is_completed` never blocks.
+    accounting as blocked time; :meth:`is_completed` never blocks. A wait that fails because a peer is gone raises
+    :class:`~lightning_sync.comm.fault.PeerFailure`.
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class CommHandle:
         tag: str,
         ready_at: float,
         on_complete: Callable[[], None] | None = None,
+        what: str = "an asynchronous operation",
     ) -> None:
         self._work = work
+        self._what = what
         self._stats = stats
         self._tag = tag
         self.ready_at = ready_at
@@ -69,7 +73,8 @@ class CommHandle:
             return
         start = time.perf_counter()
         if self._work is not None:
-            self._work.wait()
+            with failures(self._what):
+                self._work.wait()
         _sleep_until(self.ready_at)
         if self._on_complete is not None:
             self._on_complete()
@@ -83,6 +88,11 @@ class Communicator:
 
     Tensors must live where the group's backend expects them (CPU for gloo, CUDA for NCCL). ``op="avg"`` is
     a SUM followed by an in-place division by the world size (gloo has no AVG), done on completion.
+
+    An operation that fails because a peer is gone (connection closed, timeout) raises
+    :class:`~lightning_sync.comm.fault.PeerFailure` naming the failed rank and its error (see
+    :mod:`lightning_sync.comm.fault`). A communicator over the default group (``group=None``) starts a run: it
+    withdraws this rank's failure report of an earlier run. Subgroups get the default group's timeout.
     """
 
     def __init__(self, stats: CommStats, link: LinkModel | None = None, group: Any = None) -> None:
@@ -95,6 +105,8 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
+        if group is None:
+            reset()
 
     def split(self) -> Communicator:
         """A second group over the same ranks (same accounting and link), so operations on it run independently
@@ -109,7 +121,8 @@ class Communicator:
         Every rank of the world calls this at the same point with the same ``ranks`` (group creation is collective
         over the world; gloo hangs when only the members create groups in different orders)."""
         members = sorted(set(ranks))
-        group = dist.new_group(ranks=members, backend=self.backend)
+        # new_group's default timeout is torch's (30 min), not the one the default group was given
+        group = dist.new_group(ranks=members, backend=self.backend, timeout=default_timeout())
         return Communicator(self.stats, self.link, group=group) if dist.get_rank() in members else None
 
     def destroy(self) -> None:
@@ -138,11 +151,15 @@ class Communicator:
         self.stats.record_launch(tag, nbytes, blocking=not async_op)
         finish = (lambda: tensor.div_(self.world_size)) if op == "avg" and self.world_size > 1 else None
         start = time.perf_counter()
-        work = (
-            dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op) if self.world_size > 1 else None
-        )
+        what = f"all_reduce ({tag})"
+        with failures(what):
+            work = (
+                dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
+                if self.world_size > 1
+                else None
+            )
         if async_op:
-            return CommHandle(work, self.stats, tag, start + self._delay(nbytes), finish)
+            return CommHandle(work, self.stats, tag, start + self._delay(nbytes), finish, what=f"asynchronous {what}")
         self._finish_blocking(tag, start, nbytes)
         if finish is not None:
             finish()
@@ -166,7 +183,8 @@ class Communicator:
         self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            with failures(f"broadcast ({tag})"):
+                dist.broadcast(tensor, src=src, group=self.group)
         self._finish_blocking(tag, start, payload if self.world_size > 1 else 0)
 
     def all_gather(self, tensor: Tensor, tag: str = "other") -> Tensor:
@@ -176,7 +194,8 @@ class Communicator:
         self.stats.record_launch(tag, nbytes, blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
-            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group)
+            with failures(f"all_gather ({tag})"):
+                dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group)
         else:
             out[0].copy_(tensor)
         self._finish_blocking(tag, start, nbytes)
@@ -189,7 +208,8 @@ class Communicator:
         nbytes = allgather_bytes(tensor.numel() * tensor.element_size(), self.world_size)
         self.stats.record_launch(tag, nbytes, blocking=True)
         start = time.perf_counter()
-        out = torch.stack(_ag(tensor, group=self.group or dist.group.WORLD))
+        with failures(f"all_gather ({tag})"):
+            out = torch.stack(_ag(tensor, group=self.group or dist.group.WORLD))
         self._finish_blocking(tag, start, nbytes)
         return out
 
@@ -200,7 +220,8 @@ class Communicator:
         start = time.perf_counter()
         out: list[Any] = [None] * self.world_size
         if self.world_size > 1:
-            dist.all_gather_object(out, obj, group=self.group)
+            with failures(f"all_gather_object ({tag})"):
+                dist.all_gather_object(out, obj, group=self.group)
         else:
             out[0] = obj
         self._finish_blocking(tag, start, nbytes)
@@ -212,7 +233,8 @@ class Communicator:
         start = time.perf_counter()
         box = [obj]
         if self.world_size > 1:
-            dist.broadcast_object_list(box, src=src, group=self.group)
+            with failures(f"broadcast_object ({tag})"):
+                dist.broadcast_object_list(box, src=src, group=self.group)
         payload = len(pickle.dumps(box[0])) + 8 if self.world_size > 1 else 0
         self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
         self._finish_blocking(tag, start, payload)
@@ -222,10 +244,11 @@ class Communicator:
         self.stats.record_launch(tag, 0, blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
-            if self._cuda:
-                dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
-            else:
-                dist.barrier(group=self.group)
+            with failures(f"barrier ({tag})"):
+                if self._cuda:
+                    dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+                else:
+                    dist.barrier(group=self.group)
         self._finish_blocking(tag, start, 0)
 
 

@@ -17,8 +17,14 @@ tensors (gloo), also when training on GPU.
 
 Shutdown: at fit end every worker flushes, all ranks meet, then every worker sends STOP to every other rank's
 server, which answers CLOSE and exits after the last STOP; a mailbox exits after the last CLOSE, and all threads
-are joined. On an exception nothing is waited for (threads are daemons; peers then fail on the closed
-connection, and launchers stop the other processes).
+are joined. On an exception nothing is waited for: the threads are daemons and never keep the process alive.
+
+Failures: ranks never meet during an epoch, and a receive from any source is not woken when one peer's
+connection closes, so one **watch** thread per peer waits on a receive from that peer alone (a message only its
+goodbye at shutdown completes; gloo fails it as soon as the peer's connection closes). Any thread's error is
+recorded and raised in the training thread at its next push, flush or wait, as a
+:class:`~lightning_sync.comm.fault.PeerFailure` naming the failed rank when the error says a peer is gone; so is a
+failed send, acknowledgement or work-counter request (whose store lives on rank 0).
 
 Accounting goes to the rank's :class:`~lightning_sync.comm.accounting.CommStats`: ``push`` (worker → server
 payloads), ``pull`` (server → worker payloads, counted on the server's rank), ``ps_control`` (header-only
@@ -40,6 +46,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import Communicator
+from lightning_sync.comm.fault import failures, is_comm_failure, peer_failure
 from lightning_sync.comm.link import LinkModel
 from lightning_sync.core.ps import Reply, ShardPlan, ShardServer
 
@@ -50,6 +57,8 @@ PUSH, FLUSH, DONE, STOP = 1, 2, 3, 4
 PARAMS, ACK, CLOSE = 11, 12, 13
 # the threads' receives wait for messages, never for a deadline: they are woken by STOP/CLOSE
 _THREAD_TIMEOUT = timedelta(days=7)
+# tag of the watch threads' receives on the push group (the server's any-source receives use tag 0)
+_WATCH_TAG = 7
 
 
 def _header(buf: Tensor, kind: int, epoch: int = 0, flag: int = 0, alpha: float | None = None) -> None:
@@ -114,7 +123,8 @@ class WorkCounter:
         key = self._key(epoch, segment)
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)
         start = time.perf_counter()
-        value = int(self.store.add(key, 1)) - 1
+        with failures("a work-assignment claim (store on rank 0)"):
+            value = int(self.store.add(key, 1)) - 1
         self.stats.record_blocked("work", time.perf_counter() - start)
         self.claims[epoch] = self.claims.get(epoch, 0) + 1
         return value
@@ -122,21 +132,24 @@ class WorkCounter:
     def exhaust(self, epoch: int) -> None:
         key = self._key(epoch)
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)
-        self.store.add(key, self.EXHAUSTED)
+        with failures("ending the epoch on the work counter (store on rank 0)"):
+            self.store.add(key, self.EXHAUSTED)
 
     def post(self, name: str, value: str) -> None:
         """Publish a small control message under ``name`` (read by :meth:`poll` on any rank)."""
         key = f"{self.prefix}/msg/{name}"
         self.stats.record_launch("work", self.request_bytes(key) + len(value.encode()), blocking=True)
-        self.store.set(key, value)
+        with failures("posting a message on the work counter's store (on rank 0)"):
+            self.store.set(key, value)
 
     def poll(self, name: str) -> str | None:
         """The message posted under ``name``, or ``None`` if none was posted yet (never blocks)."""
         key = f"{self.prefix}/msg/{name}"
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)
-        if not self.store.check([key]):
-            return None
-        return bytes(self.store.get(key)).decode()
+        with failures("polling the work counter's store (on rank 0)"):
+            if not self.store.check([key]):
+                return None
+            return bytes(self.store.get(key)).decode()
 
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]
@@ -205,27 +218,44 @@ class ParameterServer:
         self._outbox: queue.Queue[tuple[int, int, Tensor | None, float | None] | None] = queue.Queue()
         self._stops = 0
         self._error: BaseException | None = None
+        self._error_thread = ""
         self._closed = False
         self._threads = [
             threading.Thread(target=self._guard(self._serve), name=f"ps-server-{self.rank}", daemon=True),
             threading.Thread(target=self._guard(self._send_replies), name=f"ps-sender-{self.rank}", daemon=True),
             threading.Thread(target=self._guard(self._receive_mail), name=f"ps-mailbox-{self.rank}", daemon=True),
         ]
+        self._threads += [
+            threading.Thread(target=self._guard(self._watch, peer), name=f"ps-watch-{self.rank}-{peer}", daemon=True)
+            for peer in self.peers
+        ]
         for t in self._threads:
             t.start()
 
     # ------------------------------------------------------------------ threads
-    def _guard(self, fn: Any) -> Any:
+    def _guard(self, fn: Any, *args: Any) -> Any:
         def run() -> None:
             try:
-                fn()
+                fn(*args)
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
-                if not self._closed:
+                if not self._closed and self._error is None:
                     self._error = err
+                    self._error_thread = threading.current_thread().name
                 with self._mail:
                     self._mail.notify_all()
 
         return run
+
+    def _watch(self, peer: int) -> None:
+        """Wait for ``peer``'s goodbye; gloo fails the receive when the peer's connection closes first."""
+        buf = torch.zeros(1, dtype=torch.uint8)
+        work = dist.irecv(buf, src=peer, group=self.push_group, tag=_WATCH_TAG)
+        try:
+            work.wait()
+        except RuntimeError as err:
+            if is_comm_failure(err):
+                raise RuntimeError(f"the connection to rank {peer} closed or failed: {err}") from err
+            raise
 
     def _delay(self, nbytes: int) -> None:
         if self.link is not None:
@@ -320,8 +350,11 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ worker side (training thread)
     def _check(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"parameter server thread on rank {self.rank} failed: {self._error!r}") from self._error
+        err = self._error
+        if err is not None:
+            if is_comm_failure(err):
+                raise peer_failure(f"parameter-server thread {self._error_thread}", err) from err
+            raise RuntimeError(f"parameter server thread {self._error_thread} failed: {err!r}") from err
         bad = [t.name for t in self._threads if not t.is_alive()]
         if bad and self.peers and not self._closed:
             raise RuntimeError(f"parameter server threads {bad} on rank {self.rank} stopped unexpectedly")
@@ -330,8 +363,9 @@ class ParameterServer:
         if not self._pending_sends:
             return
         start = time.perf_counter()
-        for work, _, _ in self._pending_sends:
-            work.wait(self.timeout)
+        for work, tag, dst in self._pending_sends:
+            with failures(f"a {tag} send to rank {dst}"):
+                work.wait(self.timeout)
         self.stats.record_blocked(self._pending_sends[0][1], time.perf_counter() - start)
         self._pending_sends.clear()
 
@@ -367,10 +401,11 @@ class ParameterServer:
             while not ready():
                 self._check()
                 if time.perf_counter() > deadline:
-                    raise RuntimeError(
+                    late = TimeoutError(
                         f"rank {self.rank} waited {self.timeout} for {what} from the parameter servers "
                         f"(received from {sorted(self._inbox_new)} of {self.servers})"
                     )
+                    raise peer_failure(f"waiting for {what}", late) from late
                 self._mail.wait(timeout=1.0)
         self.stats.record_blocked(tag, time.perf_counter() - start)
 
@@ -427,7 +462,8 @@ class ParameterServer:
         buf = self._ctrl_bufs[dst]
         _header(buf, kind, epoch)
         self.stats.record_launch("ps_control", HEADER_BYTES, blocking=True)
-        dist.isend(buf, dst=dst, group=self.push_group).wait(self.timeout)
+        with failures(f"a control message to rank {dst}"):
+            dist.isend(buf, dst=dst, group=self.push_group).wait(self.timeout)
 
     def flush(self) -> None:
         """Return once every server has applied every message this worker sent (replies sent before are in the
@@ -488,6 +524,12 @@ class ParameterServer:
             self._control(peer, STOP)
         if not self.peers:
             self._outbox.put(None)
+        # release every peer's watch thread for this rank (monitoring, not counted in the accounting)
+        bye = torch.zeros(1, dtype=torch.uint8)
+        sends = [(p, dist.isend(bye, dst=p, group=self.push_group, tag=_WATCH_TAG)) for p in self.peers]
+        for peer, work in sends:
+            with failures(f"the goodbye to rank {peer}"):
+                work.wait(self.timeout)
         self._closed = True
         deadline = time.monotonic() + join_timeout
         for t in self._threads:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -38,9 +39,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group
+from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
 from lightning_sync.core import StepCounter
 from lightning_sync.core.validation import check_bool, check_choice, check_instance, check_int
+from lightning_sync.strategies.atomic import save_atomically
 from lightning_sync.strategies.injection import DataInjector
 
 log = logging.getLogger(__name__)
@@ -474,7 +476,10 @@ class SyncStrategy(DDPStrategy):
 
         Each rank's part holds its :meth:`strategy_state` and, when :attr:`replicas_diverge`, its own model and
         optimizer state (local steps make replicas and momentum buffers differ; Lightning saves rank 0's only).
-        The main file is written last, so it exists only if every part does, and it records the world size.
+        The main file is written last, so it exists only if every part does, and it records the world size and a
+        fresh checkpoint id that every part repeats (a part left over from another save of the same name, e.g. an
+        interrupted overwrite of ``last.ckpt``, is refused on load). Local files are written atomically (a temporary
+        file renamed over the real name): a crash mid-write leaves the previous file, never a truncated one.
         """
         if self._comm is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -484,17 +489,23 @@ class SyncStrategy(DDPStrategy):
             part["optimizer_states"] = checkpoint.get("optimizer_states")
         # Name every part after rank 0's file: a file name with {step} differs between ranks whose step counts differ
         # (asynchronous methods), and resume looks for <rank 0's file>.rank<r>. Removal maps back without a collective.
-        shared = str(filepath) if self.world_size == 1 else self.comm.broadcast_object(str(filepath), tag="checkpoint")
+        # Rank 0's fresh id for this save travels in the same broadcast.
+        shared, ckpt_id = (str(filepath), uuid.uuid4().hex)
+        if self.world_size > 1:
+            shared, ckpt_id = self.comm.broadcast_object((shared, ckpt_id), tag="checkpoint")
         self._part_names[str(filepath)] = shared
-        self.checkpoint_io.save_checkpoint(part, self.rank_file(shared, self.global_rank))
+        part["checkpoint_id"] = ckpt_id
+        save_atomically(self.checkpoint_io, part, self.rank_file(shared, self.global_rank))
         self.comm.barrier(tag="checkpoint")
         checkpoint = self._main_file_checkpoint(checkpoint)
         checkpoint[_CKPT_KEY] = {
             "strategy": type(self).__name__,
             "world_size": self.world_size,
             "per_rank_model": self.replicas_diverge,
+            "checkpoint_id": ckpt_id,
         }
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:
+            save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What rank 0 writes to the main file (parameter-server methods put the global model there)."""
@@ -527,6 +538,13 @@ class SyncStrategy(DDPStrategy):
                 f"checkpoint {checkpoint_path} is incomplete: rank {self.global_rank}'s part {part_path} is missing "
                 "(each rank's state is written beside the file; copy the .rankN files along with it)"
             ) from err
+        expected = saved.get("checkpoint_id")  # absent in checkpoints written before ids were recorded
+        if expected is not None and part.get("checkpoint_id") != expected:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} is inconsistent: rank {self.global_rank}'s part {part_path} belongs to "
+                f"another save (checkpoint id {part.get('checkpoint_id')}, the file's is {expected}). A save of the "
+                "same name was interrupted, or files of different saves were mixed; resume from another checkpoint."
+            )
         self._restored_per_rank = bool(saved.get("per_rank_model"))
         if self._restored_per_rank:
             checkpoint["state_dict"] = part["state_dict"]
@@ -600,6 +618,14 @@ class SyncStrategy(DDPStrategy):
             if self.injector is not None:
                 dataloader = self.injector.rebuild_loader(dataloader, self.world_size)
         return dataloader
+
+    # ------------------------------------------------------------------ failures
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one stops, before Lightning tears down and the process exits: their next
+        operation with this rank raises :class:`~lightning_sync.comm.PeerFailure` naming it and its error."""
+        if self._comm is not None and self.world_size > 1:
+            report_failure(exception)
+        super().on_exception(exception)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

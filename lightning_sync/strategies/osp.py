@@ -331,6 +331,10 @@ class OSPStrategy(SyncStrategy):
         self._drain()
         super().on_train_end()
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._pending = None  # never wait for the ICS in flight on the way out: a peer may be gone
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         if self._pending is not None and self._comm is not None:
             self._drain()

@@ -1,0 +1,241 @@
+"""What a rank says when a peer fails: failure reports through the rendezvous store, and :class:`PeerFailure`.
+
+* A rank whose run fails with an exception posts ``rank r failed: <type>: <message>`` to the rendezvous store (the
+  default process group's store) before its process exits: the strategies call :func:`report_failure` from
+  ``on_exception``, which Lightning runs before tearing down.
+* A rank whose collective, point-to-point operation or store request then fails because a peer is gone (gloo: the
+  connection closed; any backend: the operation reached the process-group timeout) raises :class:`PeerFailure`
+  instead of the backend's error (kept as ``__cause__``). Its message names the failed rank(s), read back from
+  the store: a peer that posted a report is quoted (``rank 1 failed: RuntimeError: ...``); a peer that posted
+  nothing within a short grace period, while every survivor marks itself as such, ``stopped without reporting an
+  error`` (killed, crashed or hung); a store that cannot be reached means the process hosting it is gone (rank 0
+  under ``MASTER_ADDR``/``MASTER_PORT`` rendezvous).
+
+When the failed rank hosted the store (rank 0 under Lightning's launchers, SLURM or a plain ``env://`` start), its
+report goes with it: the survivors can only say that rank 0 is most likely gone and point to its log. Under torchrun
+the elastic agent hosts the store, which outlives rank 0, so rank 0's report is quoted like any other.
+
+Everything here is best effort and bounded: reading and writing reports never raises (a failure to do so is said in
+the message) and the grace period is at most :data:`MAX_GRACE_S`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+#: longest wait, after noticing a failure, for the other ranks' reports
+MAX_GRACE_S = 5.0
+_KEY = "lightning_sync/fault/{}"
+_PRIMARY, _SECONDARY = "primary", "secondary"
+# lower-case fragments of the errors gloo, NCCL and the TCPStore raise when a peer is gone or an operation timed out
+_SIGNS = (
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "closed by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "failed to recv",
+    "failed to send",
+    "socket",
+    "aborted",
+    "remote worker",
+)
+_MAX_CAUSE = 240
+_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[.../pair.cc:561] " source locations
+
+# this process's diagnosis (what happened, failed ranks, reports), reused by later failures of the same run
+_last: tuple[str, list[int], dict[int, str]] | None = None
+
+
+class PeerFailure(RuntimeError):
+    """A peer rank failed or disappeared, so this rank cannot go on.
+
+    Attributes:
+        rank: this rank.
+        failed_ranks: the ranks found to have failed (reported an error) or gone (reported nothing in time);
+            empty when the store could not be reached.
+        reports: what each failed rank reported, by rank.
+    """
+
+    def __init__(self, message: str, rank: int, failed_ranks: list[int], reports: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.failed_ranks = failed_ranks
+        self.reports = reports
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.args[0], self.rank, self.failed_ranks, self.reports))
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    """Whether ``err``, raised by a ``torch.distributed`` operation or store request, says a peer or the
+    connection to it is gone or an operation timed out (rather than, say, a wrong tensor argument)."""
+    if isinstance(err, PeerFailure):
+        return False
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(sign in text for sign in _SIGNS)
+
+
+def _short(err: BaseException) -> str:
+    text = _SOURCE.sub("", " ".join(str(err).split()))
+    if len(text) > _MAX_CAUSE:
+        text = text[: _MAX_CAUSE - 3] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _store() -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a group initialised without a store
+        return None
+
+
+def default_timeout() -> timedelta | None:
+    """The default process group's timeout (the rendezvous store gets the same one), or ``None``."""
+    store = _store()
+    try:
+        return store.timeout if store is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _grace(store: Any) -> float:
+    try:
+        seconds = store.timeout.total_seconds()
+    except Exception:  # noqa: BLE001
+        seconds = MAX_GRACE_S * 4
+    return min(MAX_GRACE_S, max(0.5, seconds / 4))
+
+
+def _post(store: Any, rank: int, kind: str, text: str) -> None:
+    store.set(_KEY.format(rank), f"{kind}\n{text}")
+
+
+def _read(store: Any, rank: int, world_size: int) -> dict[int, tuple[str, str]]:
+    reports = {}
+    for r in range(world_size):
+        key = _KEY.format(r)
+        if r != rank and store.check([key]):
+            kind, _, text = bytes(store.get(key)).decode().partition("\n")
+            reports[r] = (kind, text)
+    return reports
+
+
+def reset() -> None:
+    """A run starts on this rank: forget the last diagnosis and withdraw this rank's report of an earlier run."""
+    global _last
+    _last = None
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.delete_key(_KEY.format(dist.get_rank()))
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def report_failure(exception: BaseException) -> None:
+    """Post ``rank r failed: <exception>`` for the other ranks (nothing for a :class:`PeerFailure`: this rank is a
+    survivor, and said so when it diagnosed it). Never raises."""
+    if isinstance(exception, PeerFailure):
+        return
+    store = _store()
+    if store is None:
+        return
+    try:
+        _post(store, dist.get_rank(), _PRIMARY, _short(exception))
+    except Exception:  # noqa: BLE001 - the store may be gone too
+        pass
+
+
+def peer_failure(what: str, err: BaseException) -> PeerFailure:
+    """The :class:`PeerFailure` to raise on this rank because ``what`` failed with ``err`` (a comm failure).
+
+    Marks this rank as a survivor in the store, then reads the other ranks' reports until one reported an error,
+    every other rank marked itself a survivor, or the grace period (a quarter of the timeout, at most
+    :data:`MAX_GRACE_S`) is over; ranks that said nothing by then are named as gone.
+    """
+    global _last
+    if not (dist.is_available() and dist.is_initialized()):
+        return PeerFailure(f"{what} failed with {_short(err)} (no process group left to ask)", -1, [], {})
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    noticed = f"Rank {rank} stops: {what} failed with {_short(err)}"
+    if _last is not None:
+        head, failed_ranks, known = _last
+        return PeerFailure(f"{head} {noticed}", rank, failed_ranks, known)
+    store = _store()
+    reports: dict[int, tuple[str, str]] = {}
+    unreachable: BaseException | None = None
+    if store is None:
+        unreachable = RuntimeError("no rendezvous store")
+    else:
+        try:
+            _post(store, rank, _SECONDARY, noticed)
+            deadline = time.monotonic() + _grace(store)
+            while True:
+                reports = _read(store, rank, world_size)
+                if any(kind == _PRIMARY for kind, _ in reports.values()) or len(reports) == world_size - 1:
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as store_err:  # noqa: BLE001
+            unreachable = store_err
+    failed = {r: text for r, (kind, text) in reports.items() if kind == _PRIMARY}
+    if unreachable is not None:
+        head = (
+            "The rendezvous store cannot be reached, so the process that hosts it (rank 0 under MASTER_ADDR/"
+            f"MASTER_PORT rendezvous) is most likely gone (killed or crashed; see its log): {_short(unreachable)}."
+        )
+        failed_ranks = [0] if store is not None else []
+    elif failed:
+        head = " ".join(f"Rank {r} failed: {text}." for r, text in sorted(failed.items()))
+        failed_ranks = sorted(failed)
+    else:
+        silent = [r for r in range(world_size) if r != rank and r not in reports]
+        if silent:
+            names = ", ".join(str(r) for r in silent)
+            head = (
+                f"Rank{'s' if len(silent) > 1 else ''} {names} stopped without reporting an error (killed, crashed "
+                "or hung; see its log)."
+            )
+        else:
+            head = (
+                "No rank reported an error; every other rank also saw an operation fail ("
+                + "; ".join(text for _, (_, text) in sorted(reports.items()))
+                + ")."
+            )
+        failed_ranks = silent
+    known = {r: failed.get(r, "no report") for r in failed_ranks}
+    failure = PeerFailure(f"{head} {noticed}", rank, failed_ranks, known)
+    if unreachable is None and store is not None:
+        try:
+            _post(store, rank, _SECONDARY, str(failure))
+        except Exception:  # noqa: BLE001
+            pass
+    _last = (head, failed_ranks, known)
+    return failure
+
+
+@contextmanager
+def failures(what: str) -> Iterator[None]:
+    """Turn a comm failure raised inside the block into a :class:`PeerFailure` (other errors pass through)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_comm_failure(err):
+            raise
+        raise peer_failure(what, err) from err
