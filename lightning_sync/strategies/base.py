@@ -173,7 +173,7 @@ class SyncStrategy(DDPStrategy):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
         injection_seed = check_int("injection_seed", injection_seed, 0)
         injector = DataInjector(*injection, seed=injection_seed) if injection else None
-        _check_ddp_arguments(
+        ddp_arguments: dict[str, Any] = dict(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -183,16 +183,8 @@ class SyncStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        _check_ddp_arguments(**ddp_arguments)
+        super().__init__(**ddp_arguments)
         self.link: LinkModel | None = link
         #: ``LIGHTNING_SYNC_VERIFY=1`` in the environment turns the check on for every strategy (a test mode: run
         #: a whole suite or job with the invariants checked at every sync without editing its configuration)
