@@ -15,6 +15,8 @@ import pytest
 import torch
 from launch import run_external
 
+from lightning_sync.strategies import STRATEGIES
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -23,7 +25,7 @@ pytestmark = [
     ),
 ]
 
-NAMES = ["bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "asp", "ssp", "aladdin", "sync_switch"]
+NAMES = [cls.strategy_name for cls in STRATEGIES]
 
 
 def _trainer(strategy: str, devices: int, **kw):

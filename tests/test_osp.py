@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import run_external
+from launch import run_suite
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sync.core.osp import ICSSchedule, layer_importance, select_unimportant, sgd_step, u_max
@@ -192,8 +192,7 @@ def _suite(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("osp")
-    run_external(_suite, WORLD, str(out))
-    return out, [json.loads((out / f"res_rank{r}.json").read_text()) for r in range(WORLD)]
+    return out, run_suite(_suite, WORLD, out)
 
 
 def _diff(out, a, b, ra=0, rb=0):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import run_external
+from launch import run_suite
 
 WORLD = 4
 K = 10
@@ -124,9 +124,7 @@ def _suite(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("periodic")
-    run_external(_suite, WORLD, str(out))
-    res = [json.loads((out / f"res_rank{r}.json").read_text()) for r in range(WORLD)]
-    return out, res
+    return out, run_suite(_suite, WORLD, out)
 
 
 def _load(out, name, rank=0):

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import run_external
+from launch import run_suite
 
 WORLD = 2
 EPOCHS = 3
@@ -45,32 +45,21 @@ PARTLY_TIMED = {"epoch_stats": slice(1, None), "rs_bytes_seconds": slice(0, 1)}
 
 
 def _strategy(name: str):
-    from lightning_sync import (
-        ADPSGDStrategy,
-        ALADDINStrategy,
-        ASPStrategy,
-        BSPStrategy,
-        FedAvgStrategy,
-        LocalSGDStrategy,
-        OSPStrategy,
-        SelSyncStrategy,
-        SSPStrategy,
-        SyncSwitchStrategy,
-    )
+    import lightning_sync.strategies as S
 
     common = dict(timeout=TIMEOUT)
     sync = dict(common, verify_sync=True)
     return {
-        "bsp": lambda: BSPStrategy(**sync),
-        "selsync": lambda: SelSyncStrategy(delta=0.05, **sync),
-        "localsgd": lambda: LocalSGDStrategy(period=3, **sync),
-        "fedavg": lambda: FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **sync),
-        "adpsgd": lambda: ADPSGDStrategy(p_init=2, warmup_epochs=1, **sync),
-        "osp": lambda: OSPStrategy(bandwidth="100gbit", **sync),  # U_max at its cap: no measured time in the schedule
-        "asp": lambda: ASPStrategy(**common),
-        "ssp": lambda: SSPStrategy(staleness=2, **common),
-        "aladdin": lambda: ALADDINStrategy(period=2, **common),
-        "sync_switch": lambda: SyncSwitchStrategy(**sync),
+        "bsp": lambda: S.BSPStrategy(**sync),
+        "selsync": lambda: S.SelSyncStrategy(delta=0.05, **sync),
+        "localsgd": lambda: S.LocalSGDStrategy(period=3, **sync),
+        "fedavg": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **sync),
+        "adpsgd": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **sync),
+        "osp": lambda: S.OSPStrategy(bandwidth="100gbit", **sync),  # U_max at its cap: no measured time in the schedule
+        "asp": lambda: S.ASPStrategy(**common),
+        "ssp": lambda: S.SSPStrategy(staleness=2, **common),
+        "aladdin": lambda: S.ALADDINStrategy(period=2, **common),
+        "sync_switch": lambda: S.SyncSwitchStrategy(**sync),
     }[name]()
 
 
@@ -198,8 +187,7 @@ def _suite(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
-    run_external(_suite, WORLD, str(out))
-    return out, [json.loads((out / f"res_rank{r}.json").read_text()) for r in range(WORLD)]
+    return out, run_suite(_suite, WORLD, out)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -244,6 +232,12 @@ def _part(out: Path, name: str, ckpt: str, rank: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- tests
+def test_the_suite_covers_every_strategy():
+    from lightning_sync.strategies import STRATEGIES
+
+    assert {cls.strategy_name for cls in STRATEGIES} == {*EXACT, *ASYNC, "sync_switch"}
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(suite, name):
     out, res = suite

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import run_external
+from launch import run_suite
 
 K = 12  # steps for the equivalence runs
 DELTA_MIXED = 0.05  # with the paper's smoothing (N/100, window 25) the digits CNN syncs some steps, not all
@@ -164,8 +164,7 @@ def _suite(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategies")
-    run_external(_suite, WORLD, str(out))
-    res = [json.loads((out / f"res_rank{r}.json").read_text()) for r in range(WORLD)]
+    res = run_suite(_suite, WORLD, out)
 
     def params(name, rank=0):
         return torch.load(out / f"{name}_rank{rank}.pt")

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_sync.core.validation import check_bool, check_int
+from lightning_sync.core.validation import check_bool, check_optional_int
 from lightning_sync.strategies.base import SyncStrategy
 
 
@@ -47,13 +47,7 @@ class SyncStats(Callback):
     def __init__(self, prefix: str = "sync/", log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a string (possibly empty), got {prefix!r}")
-        if log_every_n_steps is not None:
-            try:
-                log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1)
-            except ValueError:
-                raise ValueError(
-                    f"log_every_n_steps must be an integer >= 1 or None (the Trainer's), got {log_every_n_steps!r}"
-                ) from None
+        log_every_n_steps = check_optional_int("log_every_n_steps", log_every_n_steps, 1, "the Trainer's")
         self.prefix = prefix
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = check_bool("prog_bar", prog_bar)

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_sync.core.validation import check_int, check_real
+from lightning_sync.core.validation import check_int, check_optional_int, check_real
 
 
 class StragglerInjection(Callback):
@@ -66,14 +66,7 @@ class StragglerInjection(Callback):
         self.ranks: tuple[int, ...] = _check_ranks(ranks)
         self.slowdown = check_real("slowdown", slowdown, low=1.0)
         self.start = check_int("start", start, 0)
-        if duration is not None:
-            try:
-                duration = check_int("duration", duration, 1)
-            except ValueError:
-                raise ValueError(
-                    f"duration must be an integer >= 1 or None (until the end of the fit), got {duration!r}"
-                ) from None
-        self.duration: int | None = duration
+        self.duration: int | None = check_optional_int("duration", duration, 1, "until the end of the fit")
         self.batches_seen = 0
         self.slowed_steps = 0
         self.measured_seconds = 0.0

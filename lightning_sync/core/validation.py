@@ -24,6 +24,16 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
     return int(value)
 
 
+def check_optional_int(name: str, value: Any, minimum: int, none_means: str) -> int | None:
+    """``None`` (which means ``none_means``) or an integer (not a bool) ``>= minimum``."""
+    if value is None:
+        return None
+    try:
+        return check_int(name, value, minimum)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {minimum} or None ({none_means}), got {value!r}") from None
+
+
 def check_real(
     name: str,
     value: Any,
