@@ -76,12 +76,16 @@ class PeerFailure(RuntimeError):
         return (type(self), (self.args[0], self.rank, self.failed_ranks, self.reports))
 
 
+class PeerGone(RuntimeError):
+    """Inside the comm layer: a peer said that it stopped, or its connection closed (becomes a :class:`PeerFailure`)."""
+
+
 def is_comm_failure(err: BaseException) -> bool:
     """Whether ``err``, raised by a ``torch.distributed`` operation or store request, says a peer or the
     connection to it is gone or an operation timed out (rather than, say, a wrong tensor argument)."""
     if isinstance(err, PeerFailure):
         return False
-    if isinstance(err, dist.DistError):
+    if isinstance(err, (dist.DistError, PeerGone)):
         return True
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(sign in text for sign in _SIGNS)
