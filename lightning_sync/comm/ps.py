@@ -25,9 +25,10 @@ goodbye completes: "closing" at shutdown, "stopping" when its run fails (:meth:`
 fails it as soon as the peer's connection closes (killed). Any thread's error, and a "stopping" goodbye, is
 recorded and raised in the training thread at its next push, flush or wait, as a
 :class:`~lightning_sync.comm.fault.PeerFailure` naming the failed rank when the error says a peer is gone; so is a
-failed send, acknowledgement or work-counter request (whose store lives on rank 0). A rank that stops waits
-(bounded) for its watch threads to end, i.e. for every peer to stop too: a daemon thread woken inside a blocking
-``torch.distributed`` wait while the interpreter shuts down aborts the process (SIGABRT, measured with 3 ranks).
+failed send, acknowledgement or work-counter request (whose store lives on rank 0). A rank that stops lets its
+watch threads end before its interpreter shuts down (:func:`~lightning_sync.comm.fault.wait_at_exit`, bounded): a
+daemon thread woken inside a blocking ``torch.distributed`` wait during shutdown aborts the process (SIGABRT,
+measured with 3 ranks).
 
 Accounting goes to the rank's :class:`~lightning_sync.comm.accounting.CommStats`: ``push`` (worker → server
 payloads), ``pull`` (server → worker payloads, counted on the server's rank), ``ps_control`` (header-only
@@ -49,7 +50,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import Communicator
-from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure
+from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure, wait_at_exit
 from lightning_sync.comm.link import LinkModel
 from lightning_sync.core.ps import Reply, ShardPlan, ShardServer
 
@@ -550,11 +551,11 @@ class ParameterServer:
         dist.destroy_process_group(self.push_group)
         dist.destroy_process_group(self.pull_group)
 
-    def abandon(self, join_timeout: float = 10.0) -> None:
+    def abandon(self) -> None:
         """After an exception: tell every peer that this rank stops (their watch threads raise, so they stop at their
-        next step with a :class:`~lightning_sync.comm.fault.PeerFailure`), then wait up to ``join_timeout`` s for this
-        rank's watch threads, each of which ends when its peer stops too or is gone. Nothing else is waited for; the
-        other threads are daemons and never keep the process alive."""
+        next step with a :class:`~lightning_sync.comm.fault.PeerFailure`). Nothing is waited for now; this rank's
+        watch threads, which end when their peers stop too or are gone, are waited for (bounded) at exit. The threads
+        are daemons and never keep the process alive."""
         if self._closed:
             return
         self._closed = True
@@ -565,10 +566,9 @@ class ParameterServer:
                 self._stop_sends.append(dist.isend(self._stop_bye, dst=peer, group=self.push_group, tag=_WATCH_TAG))
             except RuntimeError:
                 pass  # that peer's connection is gone already
-        deadline = time.monotonic() + join_timeout
         for t in self._threads:
             if t.name.startswith("ps-watch-"):
-                t.join(max(0.0, deadline - time.monotonic()))
+                wait_at_exit(t)
 
     @property
     def threads_alive(self) -> list[str]:
