@@ -228,6 +228,23 @@ def test_a_failed_rank_stops_every_other_rank_with_a_clear_error(case: Case, tmp
         assert f"Rank {r} stops:" in line, line
 
 
+def test_comm_failures_are_told_from_other_errors():
+    import torch.distributed as dist
+
+    from lightning_sync.comm import PeerFailure
+    from lightning_sync.comm.fault import failures, is_comm_failure
+
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [::1]:1"
+    assert is_comm_failure(RuntimeError(gloo))
+    assert is_comm_failure(RuntimeError("Timed out waiting 15000ms for recv operation to complete"))
+    assert is_comm_failure(dist.DistNetworkError("Broken pipe"))
+    assert not is_comm_failure(RuntimeError("Tensors must be CPU and dense"))
+    assert not is_comm_failure(ValueError("connection closed"))
+    assert not is_comm_failure(PeerFailure("Rank 1 failed", 0, [1], {1: "x"}))
+    with pytest.raises(RuntimeError, match="CPU and dense"), failures("all_reduce (grads)"):
+        raise RuntimeError("Tensors must be CPU and dense")  # not a peer failure: passes through unchanged
+
+
 # ----------------------------------------------------------------------------------------------- checkpoints
 def _fit_tiny(root: Path, ckpt_path: Path | None = None, at_end=None, max_steps: int = 2):
     """Fit a tiny model in this process (world size 1); ``at_end(trainer)`` runs while the strategy is still set

@@ -6,7 +6,7 @@
 * A rank whose collective, point-to-point operation or store request then fails because a peer is gone (gloo: the
   connection closed; any backend: the operation reached the process-group timeout) raises :class:`PeerFailure`
   instead of the backend's error (kept as ``__cause__``). Its message names the failed rank(s), read back from
-  the store: a peer that posted a report is quoted (``rank 1 failed: RuntimeError: ...``); a peer that posted
+  the store: a peer that posted a report is quoted (``Rank 1 failed: RuntimeError: ...``); a peer that posted
   nothing within a short grace period, while every survivor marks itself as such, ``stopped without reporting an
   error`` (killed, crashed or hung); a store that cannot be reached means the process hosting it is gone (rank 0
   under ``MASTER_ADDR``/``MASTER_PORT`` rendezvous).
@@ -109,6 +109,10 @@ def _short(err: BaseException) -> str:
     if len(text) > _MAX_CAUSE:
         text = text[: _MAX_CAUSE - 3] + "..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "?", "!")) else text + "."
 
 
 def _store() -> Any:
@@ -258,13 +262,14 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
             unreachable = store_err
     failed = {r: text for r, (kind, text) in reports.items() if kind == _PRIMARY}
     if unreachable is not None:
+        why = _sentence(_short(unreachable))
         head = (
             "The rendezvous store cannot be reached, so the process that hosts it (rank 0 under MASTER_ADDR/"
-            f"MASTER_PORT rendezvous) is most likely gone (killed or crashed; see its log): {_short(unreachable)}."
+            f"MASTER_PORT rendezvous) is most likely gone (killed or crashed; see its log): {why}"
         )
         failed_ranks = [0] if store is not None else []
     elif failed:
-        head = " ".join(f"Rank {r} failed: {text}." for r, text in sorted(failed.items()))
+        head = " ".join(f"Rank {r} failed: {_sentence(text)}" for r, text in sorted(failed.items()))
         failed_ranks = sorted(failed)
     else:
         silent = [r for r in range(world_size) if r != rank and r not in reports]
