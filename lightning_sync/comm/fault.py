@@ -6,14 +6,19 @@
 * A rank whose collective, point-to-point operation or store request then fails because a peer is gone (gloo: the
   connection closed; any backend: the operation reached the process-group timeout) raises :class:`PeerFailure`
   instead of the backend's error (kept as ``__cause__``). Its message names the failed rank(s), read back from
-  the store: a peer that posted a report is quoted (``rank 1 failed: RuntimeError: ...``); a peer that posted
+  the store: a peer that posted a report is quoted (``Rank 1 failed: RuntimeError: ...``); a peer that posted
   nothing within a short grace period, while every survivor marks itself as such, ``stopped without reporting an
   error`` (killed, crashed or hung); a store that cannot be reached means the process hosting it is gone (rank 0
   under ``MASTER_ADDR``/``MASTER_PORT`` rendezvous).
 
-When the failed rank hosted the store (rank 0 under Lightning's launchers, SLURM or a plain ``env://`` start), its
-report goes with it: the survivors can only say that rank 0 is most likely gone and point to its log. Under torchrun
-the elastic agent hosts the store, which outlives rank 0, so rank 0's report is quoted like any other.
+**At exit.** A rank that reported a failure or raised :class:`PeerFailure` lingers when its interpreter exits (an
+``atexit`` hook, at most :data:`LINGER_S`): it destroys its gloo process groups, so peers blocked in a collective
+with it fail now rather than when the process is gone, then waits until every other rank not known to be gone has
+posted its report or survivor mark (so a store hosted by this rank, rank 0 under Lightning's launchers, SLURM or a
+plain ``env://`` start, stays up until they have read it) and for the threads registered with
+:func:`wait_at_exit` (the parameter server's watch threads: a daemon thread woken inside a blocking
+``torch.distributed`` wait while the interpreter shuts down aborts the process). A rank that was killed cannot
+linger: the survivors then say that its store is unreachable (rank 0) or that it stopped without a report.
 
 Everything here is best effort and bounded: reading and writing reports never raises (a failure to do so is said in
 the message) and the grace period is at most :data:`MAX_GRACE_S`.
@@ -21,9 +26,11 @@ the message) and the grace period is at most :data:`MAX_GRACE_S`.
 
 from __future__ import annotations
 
+import atexit
 import re
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -32,6 +39,8 @@ import torch.distributed as dist
 
 #: longest wait, after noticing a failure, for the other ranks' reports
 MAX_GRACE_S = 5.0
+#: longest wait at exit, after a failure, for the other ranks to read this rank's report (see the module docstring)
+LINGER_S = 10.0
 _KEY = "lightning_sync/fault/{}"
 _PRIMARY, _SECONDARY = "primary", "secondary"
 # lower-case fragments of the errors gloo, NCCL and the TCPStore raise when a peer is gone or an operation timed out
@@ -54,6 +63,10 @@ _SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[.../p
 
 # this process's diagnosis (what happened, failed ranks, reports), reused by later failures of the same run
 _last: tuple[str, list[int], dict[int, str]] | None = None
+# after a failure: the ranks known to be gone (not waited for at exit); None while no failure is pending
+_stopping: set[int] | None = None
+_exit_threads: list[threading.Thread] = []
+_hook_registered = False
 
 
 class PeerFailure(RuntimeError):
@@ -76,12 +89,16 @@ class PeerFailure(RuntimeError):
         return (type(self), (self.args[0], self.rank, self.failed_ranks, self.reports))
 
 
+class PeerGone(RuntimeError):
+    """Inside the comm layer: a peer said that it stopped, or its connection closed (becomes a :class:`PeerFailure`)."""
+
+
 def is_comm_failure(err: BaseException) -> bool:
     """Whether ``err``, raised by a ``torch.distributed`` operation or store request, says a peer or the
     connection to it is gone or an operation timed out (rather than, say, a wrong tensor argument)."""
     if isinstance(err, PeerFailure):
         return False
-    if isinstance(err, dist.DistError):
+    if isinstance(err, (dist.DistError, PeerGone)):
         return True
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(sign in text for sign in _SIGNS)
@@ -92,6 +109,10 @@ def _short(err: BaseException) -> str:
     if len(text) > _MAX_CAUSE:
         text = text[: _MAX_CAUSE - 3] + "..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "?", "!")) else text + "."
 
 
 def _store() -> Any:
@@ -134,10 +155,53 @@ def _read(store: Any, rank: int, world_size: int) -> dict[int, tuple[str, str]]:
     return reports
 
 
+def _arm(gone: Iterable[int] = ()) -> None:
+    """A failure is pending on this rank: linger at exit (see the module docstring)."""
+    global _stopping, _hook_registered
+    _stopping = set(gone) if _stopping is None else _stopping | set(gone)
+    if not _hook_registered:
+        atexit.register(_linger)
+        _hook_registered = True
+
+
+def wait_at_exit(thread: threading.Thread) -> None:
+    """After a failure: let ``thread`` end (bounded by :data:`LINGER_S`) before the interpreter shuts down."""
+    _exit_threads.append(thread)
+
+
+def _linger() -> None:
+    global _stopping
+    gone, _stopping = _stopping, None
+    if gone is None:
+        return
+    deadline = time.monotonic() + LINGER_S
+    store = _store()
+    if store is not None:
+        try:
+            rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+            store.set_timeout(timedelta(seconds=LINGER_S))
+            if backend == "gloo":  # the store object stays alive with this reference
+                dist.destroy_process_group()  # every group: peers waiting on this rank fail now
+            waited = [r for r in range(world_size) if r != rank and r not in gone]
+            while time.monotonic() < deadline:
+                reports = _read(store, rank, world_size)
+                if all(r in reports for r in waited):
+                    break
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - best effort, bounded
+            pass
+    for thread in _exit_threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _exit_threads.clear()
+
+
 def reset() -> None:
-    """A run starts on this rank: forget the last diagnosis and withdraw this rank's report of an earlier run."""
-    global _last
+    """A run starts on this rank: forget the last failure (diagnosis, pending exit wait) and withdraw this rank's
+    report of an earlier run."""
+    global _last, _stopping
     _last = None
+    _stopping = None
+    _exit_threads.clear()
     store = _store()
     if store is None:
         return
@@ -155,6 +219,7 @@ def report_failure(exception: BaseException) -> None:
     store = _store()
     if store is None:
         return
+    _arm()
     try:
         _post(store, dist.get_rank(), _PRIMARY, _short(exception))
     except Exception:  # noqa: BLE001 - the store may be gone too
@@ -164,9 +229,9 @@ def report_failure(exception: BaseException) -> None:
 def peer_failure(what: str, err: BaseException) -> PeerFailure:
     """The :class:`PeerFailure` to raise on this rank because ``what`` failed with ``err`` (a comm failure).
 
-    Marks this rank as a survivor in the store, then reads the other ranks' reports until one reported an error,
-    every other rank marked itself a survivor, or the grace period (a quarter of the timeout, at most
-    :data:`MAX_GRACE_S`) is over; ranks that said nothing by then are named as gone.
+    Reads the other ranks' reports, marks this rank as a survivor in the store, then reads again until one
+    reported an error, every other rank marked itself a survivor, or the grace period (a quarter of the timeout, at
+    most :data:`MAX_GRACE_S`) is over; ranks that said nothing by then are named as gone.
     """
     global _last
     if not (dist.is_available() and dist.is_initialized()):
@@ -183,26 +248,28 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
         unreachable = RuntimeError("no rendezvous store")
     else:
         try:
+            grace = _grace(store)
+            deadline = time.monotonic() + grace
+            store.set_timeout(timedelta(seconds=grace + 1.0))  # a hung store host must not hold this rank
+            reports = _read(store, rank, world_size)  # before the mark: a failed rank lingers until it is seen
             _post(store, rank, _SECONDARY, noticed)
-            deadline = time.monotonic() + _grace(store)
-            while True:
-                reports = _read(store, rank, world_size)
-                if any(kind == _PRIMARY for kind, _ in reports.values()) or len(reports) == world_size - 1:
-                    break
+            while not (any(kind == _PRIMARY for kind, _ in reports.values()) or len(reports) == world_size - 1):
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
+                reports = _read(store, rank, world_size)
         except Exception as store_err:  # noqa: BLE001
             unreachable = store_err
     failed = {r: text for r, (kind, text) in reports.items() if kind == _PRIMARY}
     if unreachable is not None:
+        why = _sentence(_short(unreachable))
         head = (
             "The rendezvous store cannot be reached, so the process that hosts it (rank 0 under MASTER_ADDR/"
-            f"MASTER_PORT rendezvous) is most likely gone (killed or crashed; see its log): {_short(unreachable)}."
+            f"MASTER_PORT rendezvous) is most likely gone (killed or crashed; see its log): {why}"
         )
         failed_ranks = [0] if store is not None else []
     elif failed:
-        head = " ".join(f"Rank {r} failed: {text}." for r, text in sorted(failed.items()))
+        head = " ".join(f"Rank {r} failed: {_sentence(text)}" for r, text in sorted(failed.items()))
         failed_ranks = sorted(failed)
     else:
         silent = [r for r in range(world_size) if r != rank and r not in reports]
@@ -210,7 +277,7 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
             names = ", ".join(str(r) for r in silent)
             head = (
                 f"Rank{'s' if len(silent) > 1 else ''} {names} stopped without reporting an error (killed, crashed "
-                "or hung; see its log)."
+                f"or hung; see {'their logs' if len(silent) > 1 else 'its log'})."
             )
         else:
             head = (
@@ -227,6 +294,7 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
         except Exception:  # noqa: BLE001
             pass
     _last = (head, failed_ranks, known)
+    _arm([] if unreachable is not None else [r for r in failed_ranks if r not in reports])
     return failure
 
 

@@ -20,11 +20,15 @@ server, which answers CLOSE and exits after the last STOP; a mailbox exits after
 are joined. On an exception nothing is waited for: the threads are daemons and never keep the process alive.
 
 Failures: ranks never meet during an epoch, and a receive from any source is not woken when one peer's
-connection closes, so one **watch** thread per peer waits on a receive from that peer alone (a message only its
-goodbye at shutdown completes; gloo fails it as soon as the peer's connection closes). Any thread's error is
+connection closes, so one **watch** thread per peer waits on a receive from that peer alone, which only the peer's
+goodbye completes: "closing" at shutdown, "stopping" when its run fails (:meth:`ParameterServer.abandon`); gloo
+fails it as soon as the peer's connection closes (killed). Any thread's error, and a "stopping" goodbye, is
 recorded and raised in the training thread at its next push, flush or wait, as a
 :class:`~lightning_sync.comm.fault.PeerFailure` naming the failed rank when the error says a peer is gone; so is a
-failed send, acknowledgement or work-counter request (whose store lives on rank 0).
+failed send, acknowledgement or work-counter request (whose store lives on rank 0). A rank that stops lets its
+watch threads end before its interpreter shuts down (:func:`~lightning_sync.comm.fault.wait_at_exit`, bounded): a
+daemon thread woken inside a blocking ``torch.distributed`` wait during shutdown aborts the process (SIGABRT,
+measured with 3 ranks).
 
 Accounting goes to the rank's :class:`~lightning_sync.comm.accounting.CommStats`: ``push`` (worker → server
 payloads), ``pull`` (server → worker payloads, counted on the server's rank), ``ps_control`` (header-only
@@ -46,7 +50,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import Communicator
-from lightning_sync.comm.fault import failures, is_comm_failure, peer_failure
+from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure, wait_at_exit
 from lightning_sync.comm.link import LinkModel
 from lightning_sync.core.ps import Reply, ShardPlan, ShardServer
 
@@ -59,6 +63,8 @@ PARAMS, ACK, CLOSE = 11, 12, 13
 _THREAD_TIMEOUT = timedelta(days=7)
 # tag of the watch threads' receives on the push group (the server's any-source receives use tag 0)
 _WATCH_TAG = 7
+# the goodbyes a watch thread receives
+_BYE_CLOSE, _BYE_STOP = 1, 2
 
 
 def _header(buf: Tensor, kind: int, epoch: int = 0, flag: int = 0, alpha: float | None = None) -> None:
@@ -254,8 +260,10 @@ class ParameterServer:
             work.wait()
         except RuntimeError as err:
             if is_comm_failure(err):
-                raise RuntimeError(f"the connection to rank {peer} closed or failed: {err}") from err
+                raise PeerGone(f"the connection to rank {peer} closed or failed: {err}") from err
             raise
+        if int(buf.item()) == _BYE_STOP:
+            raise PeerGone(f"rank {peer} stopped: its run failed")
 
     def _delay(self, nbytes: int) -> None:
         if self.link is not None:
@@ -525,7 +533,7 @@ class ParameterServer:
         if not self.peers:
             self._outbox.put(None)
         # release every peer's watch thread for this rank (monitoring, not counted in the accounting)
-        bye = torch.zeros(1, dtype=torch.uint8)
+        bye = torch.full((1,), _BYE_CLOSE, dtype=torch.uint8)
         sends = [(p, dist.isend(bye, dst=p, group=self.push_group, tag=_WATCH_TAG)) for p in self.peers]
         for peer, work in sends:
             with failures(f"the goodbye to rank {peer}"):
@@ -544,8 +552,23 @@ class ParameterServer:
         dist.destroy_process_group(self.pull_group)
 
     def abandon(self) -> None:
-        """After an exception: stop without waiting for peers (the daemon threads end with the process)."""
+        """After an exception: tell every peer that this rank stops (their watch threads raise, so they stop at their
+        next step with a :class:`~lightning_sync.comm.fault.PeerFailure`). Nothing is waited for now; this rank's
+        watch threads, which end when their peers stop too or are gone, are waited for (bounded) at exit. The threads
+        are daemons and never keep the process alive."""
+        if self._closed:
+            return
         self._closed = True
+        self._stop_bye = torch.full((1,), _BYE_STOP, dtype=torch.uint8)
+        self._stop_sends = []  # kept alive with their buffer; completed by the peers' watch threads, never waited
+        for peer in self.peers:
+            try:
+                self._stop_sends.append(dist.isend(self._stop_bye, dst=peer, group=self.push_group, tag=_WATCH_TAG))
+            except RuntimeError:
+                pass  # that peer's connection is gone already
+        for t in self._threads:
+            if t.name.startswith("ps-watch-"):
+                wait_at_exit(t)
 
     @property
     def threads_alive(self) -> list[str]:

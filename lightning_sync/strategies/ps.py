@@ -272,9 +272,9 @@ class ParameterServerStrategy(SyncStrategy):
         super().on_train_end()
 
     def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # the failure report first: the peers read it when this rank's goodbye arrives
         if self._ps is not None:
             self._ps.abandon()
-        super().on_exception(exception)
 
     # ------------------------------------------------------------------ checkpoints
     def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
