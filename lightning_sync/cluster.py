@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning_sync.comm.link import parse_bandwidth
 from lightning_sync.core.validation import check_int, check_real
+from lightning_sync.launch import kill_session
 
 
 def cluster_available() -> tuple[bool, str]:
@@ -42,20 +43,6 @@ def cluster_available() -> tuple[bool, str]:
 
 def _run(*args: str) -> None:
     subprocess.run(list(args), check=True, capture_output=True, text=True)
-
-
-def kill(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and its process group if it is still running (processes from :meth:`NamespaceCluster.popen`
-    lead their own session, so whatever they started goes too), and reap it."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait for anything but the kernel
-        pass
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float, grace: float = 10.0) -> list[int]:
@@ -81,7 +68,7 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float, grace: float = 1
             time.sleep(0.05)
     finally:
         for p in procs:
-            kill(p)
+            kill_session(p)
     return [int(p.returncode) for p in procs]
 
 
@@ -165,7 +152,7 @@ class NamespaceCluster:
         """Kill every process this cluster started that still runs, then delete every namespace it made (their veth
         links go with them; a namespace with a process left in it would outlive its name). Idempotent."""
         while self._procs:
-            kill(self._procs.pop())
+            kill_session(self._procs.pop())
         while self._created:
             ns = self._created.pop()
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -235,6 +222,6 @@ class NamespaceCluster:
                     procs.append(self.popen(i, argv, env, **kwargs))
         except BaseException:
             for p in procs:
-                kill(p)
+                kill_session(p)
             raise
         return procs

@@ -8,12 +8,28 @@ for every fit; here the import is paid once per process for a whole series of ru
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and every process of its session if it is still running (started with
+    ``start_new_session=True``, so whatever it launched goes too), and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, AttributeError):  # AttributeError: no killpg (Windows)
+            proc.kill()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait for anything but the kernel
+        pass
 
 
 def free_port() -> int:

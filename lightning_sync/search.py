@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from typing import Any
 import yaml
 
 from lightning_sync.core.search import SwitchSearch
+from lightning_sync.launch import kill_session
 
 STRATEGY_CLASS_PATH = "lightning_sync.SyncSwitchStrategy"
 CALLBACK_CLASS_PATH = "lightning_sync.callbacks.SyncSwitch"
@@ -126,15 +125,6 @@ def fit_command(config_path: Path, summary_path: Path) -> list[str]:
     ]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill the trial and the processes it launched (it runs in its own session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, AttributeError):
-        proc.kill()
-    proc.wait()
-
-
 def run_trial(cmd: list[str], log_path: Path, timeout: float | None = None) -> float:
     """Run one trial with its output in ``log_path``; its wall seconds. A failure or a timeout raises
     ``RuntimeError`` with the command and the tail of the output."""
@@ -147,7 +137,7 @@ def run_trial(cmd: list[str], log_path: Path, timeout: float | None = None) -> f
             code = None
         finally:
             if proc.poll() is None:
-                _stop(proc)
+                kill_session(proc)
     if code != 0:
         what = f"timed out after {timeout:g} s" if code is None else f"failed with exit code {code}"
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])

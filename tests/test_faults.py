@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import pytest
 from launch import free_port
+
+from lightning_sync.launch import kill_session
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fault_worker.py")
@@ -167,11 +168,7 @@ def _run(case: Case, tmp_path: Path) -> dict:
         }
     finally:
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            kill_session(p)
         for f in files:
             f.close()
 

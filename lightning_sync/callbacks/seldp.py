@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_sync.core.validation import MAX_INT64, check_int
+from lightning_sync.core.validation import MAX_INT64, check_optional_int
 from lightning_sync.data.seldp import SelDPSampler
 from lightning_sync.strategies.base import SyncStrategy
 
@@ -40,14 +40,7 @@ class SelDP(Callback):
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        if seed is not None:
-            try:
-                seed = check_int("seed", seed, 0, MAX_INT64)
-            except ValueError:
-                raise ValueError(
-                    f"seed must be an integer in [0, {MAX_INT64}] or None (keep the sampler's seed), got {seed!r}"
-                ) from None
-        self.seed = seed
+        self.seed = check_optional_int("seed", seed, 0, "keep the sampler's seed", MAX_INT64)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

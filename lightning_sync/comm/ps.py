@@ -38,6 +38,7 @@ the training thread's waits.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -562,10 +563,8 @@ class ParameterServer:
         self._stop_bye = torch.full((1,), _BYE_STOP, dtype=torch.uint8)
         self._stop_sends = []  # kept alive with their buffer; completed by the peers' watch threads, never waited
         for peer in self.peers:
-            try:
+            with contextlib.suppress(RuntimeError):  # best effort: that peer's connection may be gone already
                 self._stop_sends.append(dist.isend(self._stop_bye, dst=peer, group=self.push_group, tag=_WATCH_TAG))
-            except RuntimeError:
-                pass  # that peer's connection is gone already
         for t in self._threads:
             if t.name.startswith("ps-watch-"):
                 wait_at_exit(t)

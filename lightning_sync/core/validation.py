@@ -24,14 +24,15 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
     return int(value)
 
 
-def check_optional_int(name: str, value: Any, minimum: int, none_means: str) -> int | None:
-    """``None`` (which means ``none_means``) or an integer (not a bool) ``>= minimum``."""
+def check_optional_int(name: str, value: Any, minimum: int, none_means: str, maximum: int | None = None) -> int | None:
+    """``None`` (which means ``none_means``) or an integer (not a bool) in ``[minimum, maximum]``."""
     if value is None:
         return None
     try:
-        return check_int(name, value, minimum)
+        return check_int(name, value, minimum, maximum)
     except ValueError:
-        raise ValueError(f"{name} must be an integer >= {minimum} or None ({none_means}), got {value!r}") from None
+        rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {rng} or None ({none_means}), got {value!r}") from None
 
 
 def check_real(
