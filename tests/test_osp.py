@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from launch import run_suite
+from tolerance import assert_equal_in_exact_arithmetic, max_diff
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sync.core.osp import ICSSchedule, layer_importance, select_unimportant, sgd_step, u_max
@@ -142,12 +143,13 @@ def _suite(rank: int, out_dir: str) -> None:
     g = torch.Generator().manual_seed(0)
     linear_data = DataLoader(TensorDataset(torch.randn(512, 8, generator=g)), batch_size=16, shuffle=True)
 
-    # S(G^u) = 0 is BSP
-    fit("cnn_bsp", BSPStrategy(), cnn(), DigitsDataModule())
-    fit("cnn_osp0", OSPStrategy(fixed_share=0.0), cnn(), DigitsDataModule())
-    # a linear loss: with half the model in the ICS, the correction makes OSP exactly BSP
-    fit("lin_bsp", BSPStrategy(), heads(), linear_data)
-    tr = fit("lin_osp", OSPStrategy(fixed_share=0.5, verify_sync=True), heads(), linear_data)
+    # S(G^u) = 0 is BSP; a linear loss: with half the model in the ICS, the correction makes OSP BSP. Both equal in
+    # exact arithmetic, checked in float64 (tests/tolerance.py)
+    f64 = {"precision": "64-true"}
+    fit("cnn_bsp", BSPStrategy(), cnn(), DigitsDataModule(), **f64)
+    fit("cnn_osp0", OSPStrategy(fixed_share=0.0), cnn(), DigitsDataModule(), **f64)
+    fit("lin_bsp", BSPStrategy(), heads(), linear_data, **f64)
+    tr = fit("lin_osp", OSPStrategy(fixed_share=0.5, verify_sync=True), heads(), linear_data, **f64)
     res["lin_osp"] = tr.strategy.sync_metrics()
 
     # the ICS really is in flight while the next step computes (an emulated 2 Mbit/s link makes it slow)
@@ -195,21 +197,24 @@ def suite(tmp_path_factory):
     return out, run_suite(_suite, WORLD, out)
 
 
+def _load(out, name, rank=0):
+    return torch.load(out / f"{name}_rank{rank}.pt")
+
+
 def _diff(out, a, b, ra=0, rb=0):
-    x, y = torch.load(out / f"{a}_rank{ra}.pt"), torch.load(out / f"{b}_rank{rb}.pt")
-    return max(float((x[k] - y[k]).abs().max()) for k in x)
+    return max_diff(_load(out, a, ra), _load(out, b, rb))
 
 
 def test_zero_ics_share_is_bsp(suite):
     out, _ = suite
-    assert _diff(out, "cnn_osp0", "cnn_bsp") < 1e-6
+    assert_equal_in_exact_arithmetic(_load(out, "cnn_osp0"), _load(out, "cnn_bsp"), K, "OSP share 0 vs BSP")
 
 
 def test_linear_loss_with_ics_is_exactly_bsp(suite):
     out, res = suite
     assert res[0]["lin_osp"]["bytes_ics"] > 0  # half the model really went through the ICS
     assert res[0]["lin_osp"]["bytes_verify"] > 0  # verify_sync checked every RS and every correction
-    assert _diff(out, "lin_osp", "lin_bsp") < 1e-6
+    assert_equal_in_exact_arithmetic(_load(out, "lin_osp"), _load(out, "lin_bsp"), K, "OSP with ICS vs BSP, linear")
     assert _diff(out, "lin_osp", "lin_osp", 0, 1) == 0.0  # replicas identical after the corrections
 
 
