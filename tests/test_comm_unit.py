@@ -51,6 +51,38 @@ def test_binomial_broadcast_sends_every_rank_one_copy(n, src):
     assert per_rank[src] == 100 * math.ceil(math.log2(n))
 
 
+def test_link_clock_shares_the_link_between_concurrent_transfers():
+    from lightning_sync.comm import LinkClock
+
+    link = LinkModel("1gbit", "1ms")
+    mb10 = 1_250_000  # 10 Mbit: 10 ms alone at 1 Gbit/s
+    # a lone transfer costs exactly the link model's delay
+    clock = LinkClock(link)
+    a = clock.start(mb10, now=5.0)
+    assert clock.completion(a, now=5.0) == pytest.approx(5.0 + link.delay(mb10))
+    # two launched together share the bandwidth: both complete after 20 ms (+ latency), not 10
+    clock = LinkClock(link)
+    a, b = clock.start(mb10, now=100.0), clock.start(mb10, now=100.0)
+    assert clock.completion(a, now=100.0) == pytest.approx(100.021)
+    assert clock.completion(b, now=100.0) == pytest.approx(100.021)
+    # a second one starting halfway through the first: the first's projection is pushed back, exactly
+    clock = LinkClock(link)
+    a = clock.start(mb10, now=0.0)
+    assert clock.completion(a, now=0.0) == pytest.approx(0.011)
+    b = clock.start(mb10, now=0.005)  # a has 5 Mbit left; both at 0.5 Gbit/s: a done at 0.015, b alone after
+    assert clock.completion(a, now=0.005) == pytest.approx(0.015 + 0.001)
+    assert clock.completion(b, now=0.005) == pytest.approx(0.020 + 0.001)
+    assert clock.completion(a, now=0.5) == pytest.approx(0.016)  # exact once done
+    # a tiny flag during a long transfer is not stuck behind it
+    clock = LinkClock(link)
+    big = clock.start(125_000_000, now=0.0)  # 1 s alone
+    flag = clock.start(4, now=0.1)
+    assert clock.completion(flag, now=0.1) < 0.1 + 0.0011
+    assert clock.completion(big, now=0.1) == pytest.approx(1.001, abs=1e-6)
+    # nothing to send: latency only
+    assert clock.completion(clock.start(0, now=2.0), now=2.0) == pytest.approx(2.001)
+
+
 def test_link_model_parsing_and_delay():
     link = LinkModel(bandwidth="1gbit", latency="1ms")
     assert link.bits_per_second == 1e9

@@ -4,13 +4,14 @@ from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import CommHandle, Communicator, destroy_default_group
 from lightning_sync.comm.fault import PeerFailure, report_failure
 from lightning_sync.comm.flat import FlatState
-from lightning_sync.comm.link import LinkModel
+from lightning_sync.comm.link import LinkClock, LinkModel
 
 __all__ = [
     "CommHandle",
     "CommStats",
     "Communicator",
     "FlatState",
+    "LinkClock",
     "LinkModel",
     "PeerFailure",
     "destroy_default_group",

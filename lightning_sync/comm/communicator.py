@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
 from lightning_sync.comm.fault import default_timeout, failures, reset
-from lightning_sync.comm.link import LinkModel
+from lightning_sync.comm.link import LinkClock, LinkModel
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -30,19 +30,13 @@ _OPS = {
 }
 
 
-def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
-
-
 class CommHandle:
     """An asynchronous operation in flight.
 
     Wraps the ``torch.distributed`` ``Work``; with link emulation it is not complete before its emulated
-    arrival time (launch + ``latency + bytes/bandwidth``). :meth:`wait` charges the time spent waiting to the
-    accounting as blocked time; :meth:`is_completed` never blocks. A wait that fails because a peer is gone raises
-    :class:`~lightning_sync.comm.fault.PeerFailure`.
+    transfer on this rank's :class:`~lightning_sync.comm.link.LinkClock` (started at launch) has completed.
+    :meth:`wait` charges the time spent waiting to the accounting as blocked time; :meth:`is_completed` never
+    blocks. A wait that fails because a peer is gone raises :class:`~lightning_sync.comm.fault.PeerFailure`.
     """
 
     def __init__(
@@ -50,7 +44,7 @@ class CommHandle:
         work: Any,
         stats: CommStats,
         tag: str,
-        ready_at: float,
+        transfer: tuple[LinkClock, int] | None = None,
         on_complete: Callable[[], None] | None = None,
         what: str = "an asynchronous operation",
     ) -> None:
@@ -58,7 +52,7 @@ class CommHandle:
         self._what = what
         self._stats = stats
         self._tag = tag
-        self.ready_at = ready_at
+        self._transfer = transfer  # (clock, transfer id) under link emulation
         self._on_complete = on_complete
         self._done = False
         self.completed_at: float | None = None
@@ -66,7 +60,13 @@ class CommHandle:
     def is_completed(self) -> bool:
         if self._done:
             return True
-        return (self._work is None or self._work.is_completed()) and time.perf_counter() >= self.ready_at
+        if self._work is not None and not self._work.is_completed():
+            return False
+        if self._transfer is None:
+            return True
+        clock, key = self._transfer
+        now = time.perf_counter()
+        return now >= clock.completion(key, now)
 
     def wait(self) -> None:
         if self._done:
@@ -75,7 +75,9 @@ class CommHandle:
         if self._work is not None:
             with failures(self._what):
                 self._work.wait()
-        _sleep_until(self.ready_at)
+        if self._transfer is not None:
+            clock, key = self._transfer
+            clock.sleep_until_complete(key)
         if self._on_complete is not None:
             self._on_complete()
         self._done = True
@@ -95,11 +97,15 @@ class Communicator:
     withdraws this rank's failure report of an earlier run. Subgroups get the default group's timeout.
     """
 
-    def __init__(self, stats: CommStats, link: LinkModel | None = None, group: Any = None) -> None:
+    def __init__(
+        self, stats: CommStats, link: LinkModel | None = None, group: Any = None, clock: LinkClock | None = None
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Communicator needs an initialised torch.distributed default process group")
         self.stats = stats
         self.link = link
+        #: this rank's emulated link, shared with the communicators split from this one (one network interface)
+        self.clock = clock if clock is not None else (LinkClock(link) if link is not None else None)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -123,7 +129,9 @@ class Communicator:
         members = sorted(set(ranks))
         # new_group's default timeout is torch's (30 min), not the one the default group was given
         group = dist.new_group(ranks=members, backend=self.backend, timeout=default_timeout())
-        return Communicator(self.stats, self.link, group=group) if dist.get_rank() in members else None
+        return (
+            Communicator(self.stats, self.link, group=group, clock=self.clock) if dist.get_rank() in members else None
+        )
 
     def destroy(self) -> None:
         """Destroy this communicator's own group (never the default group)."""
@@ -132,14 +140,13 @@ class Communicator:
             self.group = None
 
     # ------------------------------------------------------------------ internals
-    def _delay(self, nbytes: int) -> float:
-        return self.link.delay(nbytes) if self.link is not None else 0.0
-
     def _finish_blocking(self, tag: str, start: float, nbytes: int) -> None:
+        """A blocking operation's real collective has returned: its emulated transfer follows (sharing this rank's
+        link with any transfer in flight), then the time since ``start`` is charged as blocked."""
         if self._cuda:
             torch.cuda.current_stream().synchronize()
-        if self.link is not None:
-            _sleep_until(time.perf_counter() + self._delay(nbytes))
+        if self.clock is not None:
+            self.clock.sleep_until_complete(self.clock.start(nbytes, time.perf_counter()))
         self.stats.record_blocked(tag, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ collectives
@@ -159,11 +166,12 @@ class Communicator:
                 else None
             )
         if async_op:
-            return CommHandle(work, self.stats, tag, start + self._delay(nbytes), finish, what=f"asynchronous {what}")
+            transfer = (self.clock, self.clock.start(nbytes, start)) if self.clock is not None else None
+            return CommHandle(work, self.stats, tag, transfer, finish, what=f"asynchronous {what}")
         self._finish_blocking(tag, start, nbytes)
         if finish is not None:
             finish()
-        handle = CommHandle(None, self.stats, tag, start)
+        handle = CommHandle(None, self.stats, tag)
         handle._done = True
         return handle
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -29,83 +28,33 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
 from lightning_sync.core import StepCounter
-from lightning_sync.core.validation import check_bool, check_choice, check_instance, check_int
-from lightning_sync.strategies.atomic import save_atomically
+from lightning_sync.core.validation import check_bool, check_int
+from lightning_sync.strategies.checkpoint import PerRankCheckpointing
+from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
+from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.injection import DataInjector
+from lightning_sync.strategies.sigterm import SigtermCheck
+
+__all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
 
 log = logging.getLogger(__name__)
 
-_CKPT_KEY = "lightning_sync"
-#: names of Lightning's own barriers that belong to saving or restoring a checkpoint
-_CHECKPOINT_BARRIERS = frozenset({"Trainer.save_checkpoint", "_CheckpointConnector.resume_end"})
 #: environment variable that turns ``verify_sync`` on for every strategy (test mode)
 VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
-_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
 DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
-
-def _check_link(link: Any) -> LinkModel | None:
-    if link is None or isinstance(link, LinkModel):
-        return link
-    allowed = "link must be a LinkModel, a string 'BANDWIDTH[,LATENCY]' such as '1gbit,1ms', or None"
-    if not isinstance(link, str):
-        raise ValueError(f"{allowed}; got {link!r}")
-    try:
-        return LinkModel.parse(link)
-    except ValueError as err:
-        raise ValueError(f"{allowed}; {err}") from None
-
-
-def _check_ddp_arguments(
-    accelerator: Any,
-    parallel_devices: Any,
-    cluster_environment: Any,
-    checkpoint_io: Any,
-    precision_plugin: Any,
-    process_group_backend: Any,
-    timeout: Any,
-    start_method: Any,
-) -> None:
-    """Type checks of the arguments passed on to ``DDPStrategy`` (which checks none): a mistake fails here, naming
-    the argument, instead of deep inside the Trainer. What the objects hold (an accelerator's name, a backend's
-    availability) is Lightning's and torch's to check when the Trainer is built and the process group starts."""
-    check_instance(
-        "accelerator", accelerator, (pl.accelerators.Accelerator, str), "a lightning Accelerator, a name such as 'cpu'"
-    )
-    if parallel_devices is not None and (
-        not isinstance(parallel_devices, (list, tuple))
-        or not all(isinstance(d, torch.device) for d in parallel_devices)
-    ):
-        raise ValueError(f"parallel_devices must be a list of torch.device or None, got {parallel_devices!r}")
-    check_instance("cluster_environment", cluster_environment, ClusterEnvironment, "a lightning ClusterEnvironment")
-    check_instance("checkpoint_io", checkpoint_io, CheckpointIO, "a lightning CheckpointIO")
-    check_instance("precision_plugin", precision_plugin, Precision, "a lightning.pytorch Precision plugin")
-    if process_group_backend is not None and (not isinstance(process_group_backend, str) or not process_group_backend):
-        raise ValueError(
-            "process_group_backend must be None (Lightning picks gloo or nccl) or a torch.distributed backend name "
-            f"such as 'gloo' or 'nccl', got {process_group_backend!r}"
-        )
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-        raise ValueError(f"timeout must be a datetime.timedelta > 0 or None (torch's default), got {timeout!r}")
-    check_choice("start_method", start_method, START_METHODS)
-
-
-class SyncStrategy(DDPStrategy):
+class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPStrategy):
     """Base of every lightning_sync strategy. Subclasses implement :meth:`_after_backward` /
     :meth:`_after_update` with the helpers :meth:`average_state` and :meth:`average_grads`.
 
@@ -167,7 +116,7 @@ class SyncStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "spawn",
     ) -> None:
-        link = _check_link(link)
+        link = check_link(link)
         check_bool("verify_sync", verify_sync)
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
@@ -183,7 +132,7 @@ class SyncStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        _check_ddp_arguments(**ddp_arguments)
+        check_ddp_arguments(**ddp_arguments)
         super().__init__(**ddp_arguments)
         self.link: LinkModel | None = link
         #: ``LIGHTNING_SYNC_VERIFY=1`` in the environment turns the check on for every strategy (a test mode: run
@@ -244,32 +193,9 @@ class SyncStrategy(DDPStrategy):
         super().setup(trainer)
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
-        """Reject Trainer settings this strategy cannot honour, saying why and what to use instead."""
-        name = type(self).__name__
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"{name} does not support manual optimization (automatic_optimization=False): it acts inside the "
-                "optimizer closure Lightning builds for automatic optimization. Use automatic optimization, or "
-                "Lightning's DDPStrategy for manual optimization."
-            )
-        if trainer.accumulate_grad_batches != 1 and not self.supports_accumulation:
-            raise ValueError(
-                f"{name} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: its schedule is "
-                "counted in batches or measures per-step times. Use a larger batch size, or BSP / SelSync / local SGD, "
-                "which act once per optimizer step on the accumulated gradient."
-            )
-        precision = getattr(self.precision_plugin, "precision", None)
-        if precision in ("16-mixed", "16"):
-            raise ValueError(
-                f"{name} does not support precision={precision!r}: float16 AMP hands the strategy gradients that "
-                "are still loss-scaled. Use precision='bf16-mixed' or '32-true'."
-            )
-        if trainer.state.fn == "fit" and self.world_size == 1:
-            rank_zero_warn(
-                f"{name} runs with world size 1: there is no other replica to synchronise with, so it trains "
-                "locally. Use devices>1 or num_nodes>1 to train data-parallel."
-            )
+        """Reject Trainer settings this strategy cannot honour, saying why and what to use instead (subclasses
+        extend it, calling ``super()`` first)."""
+        check_supported(self, trainer)
 
     def configure_ddp(self) -> None:
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
@@ -323,7 +249,7 @@ class SyncStrategy(DDPStrategy):
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Gradients of this step are ready (flat, bound); the optimizer has not updated yet."""
 
-    # ------------------------------------------------------------------ Lightning's per-step SIGTERM collective
+    # ------------------------------------------------------------------ train start and end
     def on_train_start(self) -> None:
         super().on_train_start()
         if self._restored_comm is not None:
@@ -332,40 +258,14 @@ class SyncStrategy(DDPStrategy):
             # uninterrupted run's start-up, so a resumed run logs the same totals as an uninterrupted one.
             self.comm_stats.load_state_dict(self._restored_comm)
             self._restored_comm = None
-        # Lightning 2.6 broadcasts rank 0's SIGTERM flag at the start of every training step
-        # (``_TrainingEpochLoop._broadcast_sigterm_tensor``), straight through torch.distributed. Route it through
-        # the communicator (counted, link-emulated) or, for methods that already communicate every step, fold it
-        # into their own collective so a step costs one round trip, not two.
-        loop = self.lightning_module.trainer.fit_loop.epoch_loop
-        if hasattr(loop, "_broadcast_sigterm_tensor"):
-            loop._broadcast_sigterm_tensor = self._sigterm_step
+        self._route_sigterm_check()
 
     def on_train_end(self) -> None:
-        loop = self.lightning_module.trainer.fit_loop.epoch_loop
-        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        self._restore_sigterm_check()
         if getattr(self, "average_at_end", False) and self._flat is not None and self.world_size > 1:
             # hand back the global model (the average of the replicas, w = W 1/n), not rank 0's replica
             self.average_state(tag="final")
         super().on_train_end()
-
-    def _sigterm_flag(self) -> float:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return 1.0 if trainer is not None and getattr(trainer, "received_sigterm", False) else 0.0
-
-    def _sigterm_step(self) -> None:
-        """Replaces Lightning's check at the start of the step; the check runs after the update instead
-        (:meth:`_check_sigterm`), where a flag raised during this step still reaches every rank before any rank
-        leaves the loop at the end of the batch."""
-
-    def _check_sigterm(self) -> None:
-        """Stop every rank together when any rank received SIGTERM (Lightning's version listens to rank 0 only)."""
-        if self._sigterm_buf is None:
-            self._sigterm_buf = torch.zeros(1, device=self._comm_device())
-        flag = self._sigterm_buf
-        flag.fill_(self._sigterm_flag())
-        self.comm.all_reduce(flag, op="max", tag="lightning")
-        if flag.item() > 0:
-            raise SIGTERMException()
 
     def _after_update(self, optimizer: Optimizer) -> None:
         """The optimizer has applied this step's update."""
@@ -457,142 +357,6 @@ class SyncStrategy(DDPStrategy):
         self.step_counter.load_state_dict(state["steps"])
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
-
-    @staticmethod
-    def rank_file(filepath: Any, rank: int) -> str:
-        """Where ``rank``'s part of the checkpoint ``filepath`` lives (written beside it)."""
-        return f"{filepath}.rank{rank}"
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write this rank's part beside the checkpoint, then (after every rank has) rank 0 writes the file.
-
-        Each rank's part holds its :meth:`strategy_state` and, when :attr:`replicas_diverge`, its own model and
-        optimizer state (local steps make replicas and momentum buffers differ; Lightning saves rank 0's only).
-        The main file is written last, so it exists only if every part does, and it records the world size and a
-        fresh checkpoint id that every part repeats (a part left over from another save of the same name, e.g. an
-        interrupted overwrite of ``last.ckpt``, is refused on load). Local files are written atomically (a temporary
-        file renamed over the real name): a crash mid-write leaves the previous file, never a truncated one.
-        """
-        if self._comm is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        part: dict[str, Any] = {"strategy_state": self.strategy_state()}
-        if self.replicas_diverge:
-            part["state_dict"] = checkpoint.get("state_dict")
-            part["optimizer_states"] = checkpoint.get("optimizer_states")
-        # Name every part after rank 0's file: a file name with {step} differs between ranks whose step counts differ
-        # (asynchronous methods), and resume looks for <rank 0's file>.rank<r>. Removal maps back without a collective.
-        # Rank 0's fresh id for this save travels in the same broadcast.
-        shared, ckpt_id = (str(filepath), uuid.uuid4().hex)
-        if self.world_size > 1:
-            shared, ckpt_id = self.comm.broadcast_object((shared, ckpt_id), tag="checkpoint")
-        self._part_names[str(filepath)] = shared
-        part["checkpoint_id"] = ckpt_id
-        save_atomically(self.checkpoint_io, part, self.rank_file(shared, self.global_rank))
-        self.comm.barrier(tag="checkpoint")
-        checkpoint = self._main_file_checkpoint(checkpoint)
-        checkpoint[_CKPT_KEY] = {
-            "strategy": type(self).__name__,
-            "world_size": self.world_size,
-            "per_rank_model": self.replicas_diverge,
-            "checkpoint_id": ckpt_id,
-        }
-        if self.is_global_zero:
-            save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
-
-    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """What rank 0 writes to the main file (parameter-server methods put the global model there)."""
-        return checkpoint
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = checkpoint.get(_CKPT_KEY)
-        if saved is None:
-            rank_zero_warn(
-                f"{checkpoint_path} holds no lightning_sync strategy state: {type(self).__name__} starts its "
-                "counters, accounting and method state fresh, and every rank loads rank 0's weights."
-            )
-            return checkpoint
-        if saved["strategy"] != type(self).__name__:
-            raise ValueError(
-                f"checkpoint {checkpoint_path} was written by {saved['strategy']}; resume it with that strategy "
-                f"(this run uses {type(self).__name__})"
-            )
-        if saved["world_size"] != self.world_size:
-            raise ValueError(
-                f"checkpoint {checkpoint_path} holds per-rank state for world size {saved['world_size']}; this run "
-                f"has world size {self.world_size}. Resume with the same number of processes."
-            )
-        part_path = self.rank_file(checkpoint_path, self.global_rank)
-        try:
-            part = self.checkpoint_io.load_checkpoint(part_path, weights_only=weights_only)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(
-                f"checkpoint {checkpoint_path} is incomplete: rank {self.global_rank}'s part {part_path} is missing "
-                "(each rank's state is written beside the file; copy the .rankN files along with it)"
-            ) from err
-        expected = saved.get("checkpoint_id")  # absent in checkpoints written before ids were recorded
-        if expected is not None and part.get("checkpoint_id") != expected:
-            raise ValueError(
-                f"checkpoint {checkpoint_path} is inconsistent: rank {self.global_rank}'s part {part_path} belongs to "
-                f"another save (checkpoint id {part.get('checkpoint_id')}, the file's is {expected}). A save of the "
-                "same name was interrupted, or files of different saves were mixed; resume from another checkpoint."
-            )
-        self._restored_per_rank = bool(saved.get("per_rank_model"))
-        if self._restored_per_rank:
-            checkpoint["state_dict"] = part["state_dict"]
-            checkpoint["optimizer_states"] = part["optimizer_states"]
-        self._restored_state = part["strategy_state"]
-        if self._flat is not None:  # restoring after setup (restore_checkpoint_after_setup)
-            self.load_strategy_state(self._restored_state)
-            self._restored_state = None
-        return checkpoint
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        part = self.rank_file(self._part_names.pop(str(filepath), str(filepath)), self.global_rank)
-        try:
-            self.checkpoint_io.remove_checkpoint(part)
-        except FileNotFoundError:
-            pass
-
-    # ------------------------------------------------------------------ Lightning's own collectives
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        if not isinstance(tensor, Tensor) or self._comm is None or group is not None:
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if isinstance(reduce_op, str):
-            op = _REDUCE_OPS.get(reduce_op.lower())
-        elif reduce_op is None:
-            op = "sum"
-        else:
-            op = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}.get(reduce_op)
-        if op is None:
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if op == "avg" and not tensor.is_floating_point():
-            self.comm.all_reduce(tensor, op="sum", tag="lightning")
-            return tensor.copy_(tensor / self.world_size)
-        self.comm.all_reduce(tensor, op=op, tag="lightning")
-        return tensor
-
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if self._comm is None:
-            return super().barrier(name, *args, **kwargs)
-        # Lightning's barriers around saving and restoring a checkpoint are checkpoint bookkeeping, not training
-        # traffic: the one after a save comes after the saved totals were taken, so a resumed run never has it
-        self.comm.barrier(tag="checkpoint" if name in _CHECKPOINT_BARRIERS else "lightning")
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._comm is None:
-            return super().broadcast(obj, src)
-        return self.comm.broadcast_object(obj, src=src, tag="lightning")
-
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self._comm is None or group is not None:
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        if sync_grads:
-            return self.comm.all_gather_differentiable(tensor, tag="lightning")
-        return self.comm.all_gather(tensor, tag="lightning")
 
     # ------------------------------------------------------------------ data
     def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:

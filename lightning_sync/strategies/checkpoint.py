@@ -1,0 +1,161 @@
+"""Per-rank checkpoint parts: every rank's own state is written beside the checkpoint and restored on resume.
+
+Lightning saves rank 0's model and optimizer state only. Methods whose replicas differ between ranks (local steps,
+asynchronous pushes) and every method's per-rank counters need each rank's own: :class:`PerRankCheckpointing`
+writes ``<file>.rank<r>`` from every rank (atomically), then rank 0 the main file with a checkpoint id every part
+repeats, and on load checks strategy, world size and id before handing each rank its part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+#: the key of the main checkpoint file under which the strategy records what the parts must match
+CKPT_KEY = "lightning_sync"
+
+
+def save_atomically(io: CheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+    """Save ``checkpoint`` to ``path`` through ``io``; with the default :class:`TorchCheckpointIO` on a local path,
+    write a temporary file beside ``path`` and rename it over ``path`` (atomic on POSIX, so readers and a resume
+    after a crash see the old file or the new one, never a truncated one).
+
+    Lightning's own local write goes through a temporary file in the system temp directory and ``shutil.move``,
+    which is a copy (not atomic) when that directory is on another filesystem. Other ``CheckpointIO`` plugins
+    (remote, asynchronous, custom formats) and ``storage_options`` are passed through unchanged. No ``fsync``: the
+    guarantee is against the process dying, not the machine.
+    """
+    if type(io) is not TorchCheckpointIO or storage_options is not None or not _is_local_file_protocol(path):
+        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        return
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for a plain open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(checkpoint, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+class PerRankCheckpointing:
+    """Mixin of :class:`~lightning_sync.strategies.SyncStrategy`: the checkpoint overrides of Lightning's strategy.
+
+    Uses from the strategy: ``strategy_state()`` / ``load_strategy_state()`` (what each rank saves),
+    ``replicas_diverge`` (whether each rank's model and optimizer state are saved too), ``comm`` (one broadcast and
+    one barrier per save), and ``_main_file_checkpoint`` (what rank 0 writes to the main file; parameter-server
+    methods put the global model there).
+    """
+
+    _part_names: dict[str, str]  # this rank's checkpoint path -> rank 0's, for its part's name
+    _restored_state: dict[str, Any] | None
+    _restored_per_rank: bool
+
+    @staticmethod
+    def rank_file(filepath: Any, rank: int) -> str:
+        """Where ``rank``'s part of the checkpoint ``filepath`` lives (written beside it)."""
+        return f"{filepath}.rank{rank}"
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write this rank's part beside the checkpoint, then (after every rank has) rank 0 writes the file.
+
+        Each rank's part holds its :meth:`strategy_state` and, when :attr:`replicas_diverge`, its own model and
+        optimizer state (local steps make replicas and momentum buffers differ; Lightning saves rank 0's only).
+        The main file is written last, so it exists only if every part does, and it records the world size and a
+        fresh checkpoint id that every part repeats (a part left over from another save of the same name, e.g. an
+        interrupted overwrite of ``last.ckpt``, is refused on load). Local files are written atomically (a temporary
+        file renamed over the real name): a crash mid-write leaves the previous file, never a truncated one.
+        """
+        if self._comm is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        part: dict[str, Any] = {"strategy_state": self.strategy_state()}
+        if self.replicas_diverge:
+            part["state_dict"] = checkpoint.get("state_dict")
+            part["optimizer_states"] = checkpoint.get("optimizer_states")
+        # Name every part after rank 0's file: a file name with {step} differs between ranks whose step counts differ
+        # (asynchronous methods), and resume looks for <rank 0's file>.rank<r>. Removal maps back without a collective.
+        # Rank 0's fresh id for this save travels in the same broadcast.
+        shared, ckpt_id = (str(filepath), uuid.uuid4().hex)
+        if self.world_size > 1:
+            shared, ckpt_id = self.comm.broadcast_object((shared, ckpt_id), tag="checkpoint")
+        self._part_names[str(filepath)] = shared
+        part["checkpoint_id"] = ckpt_id
+        save_atomically(self.checkpoint_io, part, self.rank_file(shared, self.global_rank))
+        self.comm.barrier(tag="checkpoint")
+        checkpoint = self._main_file_checkpoint(checkpoint)
+        checkpoint[CKPT_KEY] = {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "per_rank_model": self.replicas_diverge,
+            "checkpoint_id": ckpt_id,
+        }
+        if self.is_global_zero:
+            save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What rank 0 writes to the main file (parameter-server methods put the global model there)."""
+        return checkpoint
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(CKPT_KEY)
+        if saved is None:
+            rank_zero_warn(
+                f"{checkpoint_path} holds no lightning_sync strategy state: {type(self).__name__} starts its "
+                "counters, accounting and method state fresh, and every rank loads rank 0's weights."
+            )
+            return checkpoint
+        if saved["strategy"] != type(self).__name__:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} was written by {saved['strategy']}; resume it with that strategy "
+                f"(this run uses {type(self).__name__})"
+            )
+        if saved["world_size"] != self.world_size:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} holds per-rank state for world size {saved['world_size']}; this run "
+                f"has world size {self.world_size}. Resume with the same number of processes."
+            )
+        part_path = self.rank_file(checkpoint_path, self.global_rank)
+        try:
+            part = self.checkpoint_io.load_checkpoint(part_path, weights_only=weights_only)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint_path} is incomplete: rank {self.global_rank}'s part {part_path} is missing "
+                "(each rank's state is written beside the file; copy the .rankN files along with it)"
+            ) from err
+        expected = saved.get("checkpoint_id")  # absent in checkpoints written before ids were recorded
+        if expected is not None and part.get("checkpoint_id") != expected:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} is inconsistent: rank {self.global_rank}'s part {part_path} belongs to "
+                f"another save (checkpoint id {part.get('checkpoint_id')}, the file's is {expected}). A save of the "
+                "same name was interrupted, or files of different saves were mixed; resume from another checkpoint."
+            )
+        self._restored_per_rank = bool(saved.get("per_rank_model"))
+        if self._restored_per_rank:
+            checkpoint["state_dict"] = part["state_dict"]
+            checkpoint["optimizer_states"] = part["optimizer_states"]
+        self._restored_state = part["strategy_state"]
+        if self._flat is not None:  # restoring after setup (restore_checkpoint_after_setup)
+            self.load_strategy_state(self._restored_state)
+            self._restored_state = None
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        part = self.rank_file(self._part_names.pop(str(filepath), str(filepath)), self.global_rank)
+        try:
+            self.checkpoint_io.remove_checkpoint(part)
+        except FileNotFoundError:
+            pass
