@@ -47,8 +47,12 @@ def _worker(
 
     makers = {
         "BSP": BSPStrategy,
-        "ASP": ASPStrategy,
-        "SSP(s=4)": lambda: SSPStrategy(staleness=4),
+        # update_scale=1.0: every push is the worker's full step, as Hogwild and the committed tables (the library's
+        # default, "auto", scales pushes by 1/m so the model's rate is DDP's): rows "ASP(auto)", "SSP(s=4, auto)"
+        "ASP": lambda: ASPStrategy(update_scale=1.0),
+        "SSP(s=4)": lambda: SSPStrategy(staleness=4, update_scale=1.0),
+        "ASP(auto)": ASPStrategy,
+        "SSP(s=4, auto)": lambda: SSPStrategy(staleness=4),
         "ALADDIN(pi=4)": lambda: ALADDINStrategy(period=4),
         # Alg. 2 line 8 as printed (plain sum); not in the default list
         "ALADDIN-sum(pi=4)": lambda: ALADDINStrategy(period=4, aggregate="sum"),

@@ -118,11 +118,14 @@ def _worker(
     specs = {name: _parse_row(name) for name in names}
 
     def make_strategy(spec: dict):
+        # The paper's configuration (the rows' meaning, and what the committed tables ran): every ASP push is the
+        # worker's full step (update_scale=1.0), BSP's rate is m x eta unless bsp_lr_scale says otherwise. The
+        # library's defaults anchor on DDP's rate instead (update_scale="auto", bsp_lr_scale=1.0).
         if spec["kind"] == "bsp":
             return BSPStrategy()
         if spec["kind"] == "asp":
-            return ASPStrategy()
-        return SyncSwitchStrategy(bsp_lr_scale=spec["bsp_lr_scale"])
+            return ASPStrategy(update_scale=1.0)
+        return SyncSwitchStrategy(bsp_lr_scale=spec["bsp_lr_scale"], update_scale=1.0)
 
     class Meter(Callback):
         def __init__(self) -> None:

@@ -173,3 +173,31 @@ def test_server_transport_rejects_non_cpu_tensors():
     # the server groups are gloo point-to-point: a CUDA (NCCL-only) tensor is an error, not a silent copy
     with pytest.raises(ValueError, match="CPU tensors over gloo"):
         check_cpu(torch.empty(2, device="meta"), "the pushed delta")
+
+
+def test_update_scale_is_one_over_the_pushers_by_default():
+    from lightning_sync.core.ps import update_scale_for, warmup_factor
+
+    assert update_scale_for("auto", 1) == 1.0  # one worker: its step is DDP's step
+    assert update_scale_for("auto", 4) == 0.25
+    assert update_scale_for(1.0, 4) == 1.0 and update_scale_for(0.5, 4) == 0.5
+    for bad in ("AUTO", 0, -1.0, math.nan, math.inf, True, None):
+        with pytest.raises(ValueError, match="update_scale must be 'auto'"):
+            update_scale_for(bad, 4)
+    assert [warmup_factor(k, 4) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_factor(0, 0) == 1.0
+
+
+def test_m_pushes_scaled_by_auto_move_the_server_as_one_averaged_step():
+    """Per-sample step equivalence on a known state: m workers' steps -eta*g_i, each scaled by 1/m and added by an
+    ASP server, move the global model exactly as DDP's one step -eta * mean(g_i)."""
+    from lightning_sync.core.ps import update_scale_for
+
+    m, eta = 4, 0.1
+    x = torch.arange(6, dtype=torch.float64)
+    grads = [torch.full((6,), float(i + 1), dtype=torch.float64) for i in range(m)]
+    server = ShardServer(x.clone(), m, mode="asp")
+    for i, g in enumerate(grads):
+        server.push(i, -eta * g * update_scale_for("auto", m), epoch=0, want_reply=False)
+    ddp = x - eta * torch.stack(grads).mean(0)
+    assert torch.allclose(server.params, ddp, rtol=0, atol=1e-12)

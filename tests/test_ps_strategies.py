@@ -146,6 +146,25 @@ def _suite(rank: int, out_dir: str) -> None:
         tr, _ = fit(make(timeout=TIMEOUT), [es], max_epochs=4, limit_val_batches=3)
         res[f"early_{name}"] = {"epoch": tr.current_epoch, "stopped": tr.should_stop}
 
+    # 5. DDP's learning rate out of the box: every push is the worker's own step scaled by 1/m ("auto"), by the
+    #    given number, and ramped linearly over warmup_steps (issue 17)
+    class RecordPushes(ASPStrategy):
+        def _exchange(self, delta, epoch):
+            local = self.flat.state_tensors()[0] - self._prev  # this step's own update, before the scale
+            self.rows.append(float((delta - local * self.expected(len(self.rows))).abs().max()))
+            self.norms.append(float(local.abs().max()))
+            return super()._exchange(delta, epoch)
+
+    for name, kwargs, expected in (
+        ("auto", {}, lambda k: 1 / WORLD),
+        ("literal", {"update_scale": 1.0}, lambda k: 1.0),
+        ("warmup", {"warmup_steps": 4}, lambda k: (min(k + 1, 4) / 4) / WORLD),
+    ):
+        strategy = RecordPushes(timeout=TIMEOUT, **kwargs)
+        strategy.rows, strategy.norms, strategy.expected = [], [], expected
+        fit(strategy, limit_train_batches=8)
+        res[f"scale_{name}"] = {"errors": strategy.rows, "norms": strategy.norms}
+
     res["done_at"] = time.time()
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
@@ -209,6 +228,15 @@ def test_early_stopping_works_with_every_asynchronous_strategy(suite):
     res, _ = suite
     for name in ("asp", "ssp", "aladdin"):
         assert all(r[f"early_{name}"]["stopped"] and r[f"early_{name}"]["epoch"] < 4 for r in res)
+
+
+def test_pushes_are_the_workers_step_scaled_by_one_over_m_by_default(suite):
+    res, _ = suite
+    for r in res:
+        for name in ("auto", "literal", "warmup"):
+            rows = r[f"scale_{name}"]
+            assert len(rows["errors"]) >= 4 and max(rows["norms"]) > 0  # real updates were pushed
+            assert max(rows["errors"]) == 0.0, name  # exactly the local step times the documented factor
 
 
 # ----------------------------------------------------------------------------------------------- launching

@@ -18,6 +18,7 @@ from launch import run_external
 
 from lightning_sync import SyncSwitchStrategy
 from lightning_sync.callbacks import StragglerInjection, SyncSwitch
+from lightning_sync.core.ps import update_scale_for
 from lightning_sync.data import DigitsDataModule
 from lightning_sync.launch import quiet_trainer_kwargs
 from lightning_sync.models import DigitsCNN
@@ -46,7 +47,11 @@ def _fit(world: int, callbacks: list, epochs: int = EPOCHS, **model_kw) -> tuple
             self.at_switch: list[float] | None = None
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            self.lrs.append((trainer.global_step, trainer.current_epoch, optimizer.param_groups[0]["lr"]))
+            # the effective rate of this step: the optimizer's rate during the step, times the factor the pushed
+            # update is scaled by under ASP (the rate the global model moves at)
+            s = trainer.strategy
+            push = update_scale_for(s.update_scale, trainer.world_size) if s.protocol == "asp" else 1.0
+            self.lrs.append((trainer.global_step, trainer.current_epoch, optimizer.param_groups[0]["lr"] * push))
 
         def on_train_batch_end(self, trainer, pl_module, *args):
             if self.at_switch is None and trainer.strategy.protocol == "asp":
@@ -149,7 +154,7 @@ def test_learning_rate_follows_the_configuration_policy_with_a_scheduler(schedul
         assert res["lrs"], "no optimizer step observed"
         for step, epoch, lr in res["lrs"]:
             scheduled_lr = LR * GAMMA ** min(epoch, 2)  # MultiStepLR(milestones=[1, 2])
-            factor = 2.0 if step < switch_step else 1.0  # BSP: n * eta (linear scaling); ASP: eta
+            factor = 1.0 if step < switch_step else 0.5  # BSP: the user's (DDP's) eta; ASP: pushes at eta / m
             assert lr == pytest.approx(scheduled_lr * factor), (step, epoch, lr)
 
 

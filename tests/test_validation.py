@@ -415,6 +415,21 @@ def _with(base: dict[str, Arg], **own: Arg) -> dict[str, Arg]:
 
 
 _SHARD = int_arg("shard_size", 1)
+_PUSH_SCALE = {
+    "update_scale": Arg(
+        allowed="'auto' (1/m) or a number in (0, inf)",
+        valid=st.one_of(st.just("auto"), st.floats(0.0, 1e6, exclude_min=True, allow_nan=False), st.integers(1, 10)),
+        invalid=st.one_of(
+            st.floats(max_value=0.0, allow_nan=False),
+            st.sampled_from([math.nan, INF, -INF, "AUTO", "", "1/m", True, False, None]),
+            _JUNK,
+        ),
+        message=re.escape("update_scale must be 'auto' (1/m) or a number in (0.0, inf)"),
+        edges_valid=("auto", 1e-300, 1.0, 1),
+        edges_invalid=(0.0, 0, -1.0, INF, math.nan, "Auto", True),
+    ),
+    "warmup_steps": int_arg("warmup_steps", 0),
+}
 
 SPECS: dict[type, dict[str, Arg]] = {
     BSPStrategy: base_specs(),
@@ -516,8 +531,10 @@ SPECS: dict[type, dict[str, Arg]] = {
         loss_rate=real_arg("loss_rate", 0.0, 1.0),
         fixed_share=real_arg("fixed_share", 0.0, 1.0, high_open=True, none_ok=True),
     ),
-    ASPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD),
-    SSPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD, staleness=int_arg("staleness", 0)),
+    ASPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD, **_PUSH_SCALE),
+    SSPStrategy: _with(
+        base_specs(parameter_server=True), shard_size=_SHARD, staleness=int_arg("staleness", 0), **_PUSH_SCALE
+    ),
     ALADDINStrategy: _with(
         base_specs(parameter_server=True),
         shard_size=_SHARD,
@@ -537,6 +554,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         shard_size=_SHARD,
         bsp_lr_scale=real_arg("bsp_lr_scale", 0.0, low_open=True, none_ok=True),
         asp_lr_scale=real_arg("asp_lr_scale", 0.0, low_open=True),
+        **_PUSH_SCALE,
     ),
     # ------------------------------------------------------------------------------------------------ callbacks
     SyncStats: {

@@ -33,6 +33,35 @@ def per_push_alpha(pushes_since_update: int) -> float:
     return 1.0 - 1.0 / math.sqrt(pushes_since_update)
 
 
+def update_scale_for(update_scale: float | str, pushers: int) -> float:
+    r"""The factor a worker's update is multiplied by before it is pushed (ASP, SSP, Sync-Switch's ASP phase).
+
+    The learning rate in the user's optimizer is DDP's: the rate for the average gradient of the global batch of
+    ``m`` workers. One DDP step moves the model by :math:`-\eta \frac1m \sum_i g_i`; under ASP each of the ``m``
+    workers pushes its own step :math:`-\eta g_i` and the servers add every push, so ``m`` pushes move the model
+    ``m`` times as far — the per-sample step is ``m`` times DDP's (and stale), which diverges at DDP's rate. Scaling
+    each push by :math:`1/m` (``"auto"``) makes ``m`` pushes move the global model as one DDP step does, in
+    expectation: per-sample step equivalence, the linear scaling rule of Sync-Switch §IV-C (BSP's rate = ``m`` ×
+    ASP's) with DDP's rate as the anchor. A number is used as given (``1.0``: the papers' literal ASP).
+    """
+    pushers = check_int("pushers", pushers, 1)
+    if isinstance(update_scale, str):
+        if update_scale != "auto":
+            raise ValueError(f"update_scale must be 'auto' (1/m) or a number in (0.0, inf), got {update_scale!r}")
+        return 1.0 / pushers
+    try:
+        return check_real("update_scale", update_scale, 0.0, low_open=True)
+    except ValueError:
+        raise ValueError(f"update_scale must be 'auto' (1/m) or a number in (0.0, inf), got {update_scale!r}") from None
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warm-up from 0: ``(step + 1) / warmup_steps`` for the 0-based ``step < warmup_steps``, then 1."""
+    step = check_int("step", step, 0)
+    warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+    return 1.0 if step >= warmup_steps else (step + 1) / warmup_steps
+
+
 def mix_(local: Tensor, global_: Tensor, alpha: float) -> Tensor:
     """x ← (1 − α)·x + α·x̃ in place (ALADDIN Eq. 3, Alg. 1 line 6: the PS-triggered local update)."""
     return local.mul_(1.0 - alpha).add_(global_, alpha=alpha)

@@ -194,6 +194,9 @@ class ParameterServerStrategy(SyncStrategy):
         state = self.flat.state_tensors()[0]
         assert self._prev is not None and self._delta is not None and self._host is not None
         torch.sub(state, self._prev, out=self._delta)
+        scale = self._push_scale()
+        if scale != 1.0:
+            self._delta.mul_(scale)
         delta = self._delta if self._delta.device.type == "cpu" else self._delta.cpu()
         epoch = self.lightning_module.trainer.current_epoch
         synced = self._exchange(delta, epoch)
@@ -202,6 +205,11 @@ class ParameterServerStrategy(SyncStrategy):
         if self._sigterm_flag() and not self._sigterm_seen and self._work is not None:
             self._sigterm_seen = True
             self._work.exhaust(epoch)  # every rank's epoch ends at its next claim; they stop at the meeting
+
+    def _push_scale(self) -> float:
+        """The factor this step's update is multiplied by before it is pushed (ASP and SSP scale by 1/m; ALADDIN's
+        servers weight updates 1/n themselves)."""
+        return 1.0
 
     @abstractmethod
     def _exchange(self, delta: Tensor, epoch: int) -> bool:

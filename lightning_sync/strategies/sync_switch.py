@@ -25,19 +25,23 @@ the group's replica) or the group finishes the epoch, whichever comes first; at 
 restored (the detector excludes a rank again if it is still slow). The one batch the parked rank holds when it
 leaves is trained after its return.
 
-**Configuration policy** (§IV-C): the per-worker batch ``B`` is unchanged, BSP's global batch is ``m·B`` and its
-learning rate ``m·η`` (linear scaling, ``bsp_lr_scale=None``), ASP's is ``η``. The factor multiplies the learning
-rate of every parameter group for the optimizer step only and is removed afterwards, so it composes with any LR
-scheduler exactly: at every step the effective rate is ``factor × (what the scheduler set)``; schedulers, logs of
-``param_groups`` and checkpoints see the unscaled value. Momentum and everything else are unchanged (the paper
-found that best).
+**Configuration policy** (§IV-C): the per-worker batch ``B`` is unchanged, BSP's global batch is ``m·B``, and
+BSP's learning rate is ``m`` times ASP's (linear scaling). The anchor is the rate in the user's optimizer, which is
+DDP's (the rate for the average gradient of the global batch): BSP uses it as is (``bsp_lr_scale=1.0``), and under
+ASP every pushed update is scaled by ``1/m`` (``update_scale="auto"``, as :class:`ASPStrategy`), so each push moves
+the global model by ``η/m`` times the worker's gradient — the paper's ratio, and a run that trains at DDP's rate out
+of the box. The paper's literal configuration (BSP at ``m·η``, ASP pushes at ``η``) is
+``bsp_lr_scale=None, update_scale=1.0``. A learning-rate factor multiplies the rate of every parameter group for the
+optimizer step only and is removed afterwards, so it composes with any LR scheduler exactly: at every step the
+effective rate is ``factor × (what the scheduler set)``; schedulers, logs of ``param_groups`` and checkpoints see
+the unscaled value. Momentum and everything else are unchanged (the paper found that best).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -62,9 +66,12 @@ class SyncSwitchStrategy(ASPStrategy):
     ``accumulate_grad_batches`` must be 1 (the workload is counted in batch positions per optimizer step).
 
     Args:
-        bsp_lr_scale: learning-rate factor under BSP; ``None`` (default) = the number of BSP participants (linear
-            scaling rule for the global batch ``m·B``, §IV-C). A number > 0 otherwise.
-        asp_lr_scale: learning-rate factor under ASP (> 0, default 1: each worker's updates use ``η``).
+        bsp_lr_scale: learning-rate factor under BSP: a number > 0 (default 1: the user's rate, DDP's), or ``None``
+            for the number of BSP participants ``m`` (the paper's linear scaling of a rate tuned for one worker).
+        asp_lr_scale: learning-rate factor of each worker's own optimizer step under ASP (> 0, default 1).
+        update_scale: factor of every pushed update under ASP: ``"auto"`` (default, ``1/m``, ``m`` = ranks pushing)
+            or a number > 0 (``1.0``: the paper's literal ASP). See :class:`ASPStrategy`.
+        warmup_steps: pushes over which the ASP phase's update scale ramps linearly from 0 (0 = off).
         shard_size: largest parameter-server shard, in elements.
         Other arguments are :class:`~lightning_sync.strategies.base.SyncStrategy`'s.
     """
@@ -78,8 +85,10 @@ class SyncSwitchStrategy(ASPStrategy):
 
     def __init__(
         self,
-        bsp_lr_scale: float | None = None,
+        bsp_lr_scale: float | None = 1.0,
         asp_lr_scale: float = 1.0,
+        update_scale: float | Literal["auto"] = "auto",
+        warmup_steps: int = 0,
         shard_size: int = 1 << 22,
         **kwargs: Any,
     ) -> None:
@@ -87,7 +96,7 @@ class SyncSwitchStrategy(ASPStrategy):
             bsp_lr_scale = check_real("bsp_lr_scale", bsp_lr_scale, 0.0, low_open=True)
         self.bsp_lr_scale = bsp_lr_scale
         self.asp_lr_scale = check_real("asp_lr_scale", asp_lr_scale, 0.0, low_open=True)
-        super().__init__(shard_size=shard_size, **kwargs)
+        super().__init__(update_scale=update_scale, warmup_steps=warmup_steps, shard_size=shard_size, **kwargs)
         self.protocol = "bsp"
         self._next_protocol: str | None = None  # decided at an epoch end for the next epoch
         self._bsp_comm: Communicator | None = None  # a subgroup while ranks are excluded; None: self.comm
