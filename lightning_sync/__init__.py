@@ -4,6 +4,7 @@
 strategy names with Lightning.
 """
 
+from lightning_sync import callbacks  # noqa: F401  (registers SyncSwitch as Sync-Switch's default controller)
 from lightning_sync.comm import CommStats, LinkModel
 from lightning_sync.strategies import (
     ADPSGDStrategy,

@@ -19,6 +19,7 @@ from lightning_sync.core.switch import (
     ThroughputWindow,
 )
 from lightning_sync.core.validation import MAX_INT64, check_int, check_real
+from lightning_sync.strategies.sync_switch import SyncSwitchStrategy, register_default_controller
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ class SyncSwitch(Callback):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_sync.strategies.sync_switch import SyncSwitchStrategy
-
         if stage != "fit":
             return
         if not isinstance(trainer.strategy, SyncSwitchStrategy):
@@ -245,3 +244,6 @@ class SyncSwitch(Callback):
         if self._policy is not None and state_dict.get("policy") is not None:
             self._policy.load_state_dict(state_dict["policy"])
             self._policy_seen = len(self._policy.events)  # those are already in `events`
+
+
+register_default_controller(SyncSwitch)

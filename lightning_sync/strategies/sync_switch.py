@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
@@ -55,6 +56,16 @@ from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
 from lightning_sync.strategies.asp import ASPStrategy
 from lightning_sync.strategies.ps import ParameterServerStrategy
+
+#: The callback class that decides when to switch, added with its defaults when the user passes none. The callbacks
+#: layer registers it (``lightning_sync.callbacks.sync_switch`` calls :func:`register_default_controller` at import),
+#: so arrows run callbacks -> strategies only.
+_DEFAULT_CONTROLLER: dict[str, type[Callback]] = {}
+
+
+def register_default_controller(factory: type[Callback]) -> None:
+    """Make ``factory()`` the controller callback added when a Sync-Switch run has none of that class."""
+    _DEFAULT_CONTROLLER["factory"] = factory
 
 
 class SyncSwitchStrategy(ASPStrategy):
@@ -136,13 +147,19 @@ class SyncSwitchStrategy(ASPStrategy):
                 f"SyncSwitchStrategy needs max_epochs (got {trainer.max_epochs!r}): the switch points are fractions "
                 "of the training workload, max_epochs passes over the data. Set Trainer(max_epochs=N)."
             )
-        from lightning_sync.callbacks.sync_switch import SyncSwitch
-
-        if not any(isinstance(cb, SyncSwitch) for cb in trainer.callbacks):
-            trainer.callbacks.append(SyncSwitch())
+        controller = _DEFAULT_CONTROLLER.get("factory")
+        if controller is None:
+            raise ValueError(
+                "SyncSwitchStrategy needs a controller callback saying when to switch, and none is registered: "
+                "import lightning_sync.callbacks (done by `import lightning_sync`) or pass "
+                "callbacks=[lightning_sync.callbacks.SyncSwitch(...)]."
+            )
+        if not any(isinstance(cb, controller) for cb in trainer.callbacks):
+            trainer.callbacks.append(controller())
             rank_zero_info(
-                "SyncSwitchStrategy: no SyncSwitch callback given, added SyncSwitch() (BSP for the first 25% of the "
-                "workload, then ASP). Pass callbacks=[SyncSwitch(schedule=...)] to choose."
+                f"SyncSwitchStrategy: no {controller.__name__} callback given, added {controller.__name__}() (BSP for "
+                f"the first 25% of the workload, then ASP). Pass callbacks=[{controller.__name__}(schedule=...)] to "
+                "choose."
             )
 
     def _on_flat_ready(self) -> None:
