@@ -109,13 +109,7 @@ class SelSyncStrategy(SyncStrategy):
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
-        assert self.tracker is not None and self._vote is not None
-        delta, finite = self.tracker.update(self.flat.grad_sq_norm())  # all on the device: no host read
-        vote = self._vote
-        vote[0].copy_(delta >= self.delta)  # Alg. 1 lines 10-11 (core.wants_sync)
-        vote[1].fill_(self._sigterm_flag())
-        vote[2].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
-        handle = self.comm.all_reduce(vote[:2], op="sum", tag="vote", async_op=True)
+        handle = self.comm.all_reduce(self._cast_vote(), op="sum", tag="vote", async_op=True)
         if self.aggregation == "gradients":
             synced = self._resolve_vote(handle)
             if synced:
@@ -136,6 +130,17 @@ class SelSyncStrategy(SyncStrategy):
             self.average_state(tag="params")
         self.step_counter.record(synced)
         self._stop_if_sigterm()
+
+    def _cast_vote(self) -> torch.Tensor:
+        """This rank's vote (Alg. 1 lines 8-11) and SIGTERM flag, all computed on the device (no host read): the
+        two floats the vote all-reduce sums."""
+        assert self.tracker is not None and self._vote is not None
+        delta, finite = self.tracker.update(self.flat.grad_sq_norm())
+        vote = self._vote
+        vote[0].copy_(delta >= self.delta)  # core.wants_sync
+        vote[1].fill_(self._sigterm_flag())
+        vote[2].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
+        return vote[:2]
 
     def _stop_if_sigterm(self) -> None:
         if self._sigterm_votes > 0:  # some rank received SIGTERM before this step's vote: all stop here
