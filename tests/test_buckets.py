@@ -57,7 +57,7 @@ def test_ddp_rule_whole_parameters_until_the_cap_is_reached(cap_mb):
     sizes = [4 * n for n in _numels(model)]
     buckets = plan_buckets(flat, cap_mb)
     cap = cap_mb * MIB
-    for k, b in enumerate(buckets):
+    for b in buckets:
         held = [sizes[i] for i in b.params]
         assert list(b.params) == sorted(b.params, reverse=True)
         assert sum(held[:-1]) < cap  # not closed before its last parameter ...

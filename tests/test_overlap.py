@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from launch import run_suite
+from probes import ProbedCNN, ReadProbe
 from tolerance import assert_equal_in_exact_arithmetic, max_diff
 from torch import nn
 from torch.nn import functional as F
@@ -294,68 +295,14 @@ def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg)
 
 
 # ------------------------------------------------------------------------------------ no host read (in-process)
-class _Reads(torch.overrides.TorchFunctionMode):
-    """Records the tensor methods that bring a value to the host (on a GPU each is a device synchronisation)."""
-
-    READS = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.READS or (name == "to" and any(str(a) == "cpu" for a in args[1:])):
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-class _ProbeSGD(torch.optim.SGD):
-    """SGD that stops the probe once the closure (backward, the strategy's hooks, Lightning's) has returned, i.e.
-    right before the update is launched."""
-
-    probe: Any = None
-
-    def step(self, closure=None):  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        if self.probe is not None:
-            self.probe.stop()
-        super().step()
-        return loss
-
-
-class _ProbedCNN(DigitsCNN):
-    def configure_optimizers(self):
-        return _ProbeSGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-
-
 @pytest.mark.parametrize("agg", ["parameters", "gradients"])
 def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg):
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
 
-    class Probe(Callback):
-        def __init__(self) -> None:
-            self.mode: _Reads | None = None
-            self.per_step: list[list[str]] = []
-
-        def on_train_start(self, trainer, pl_module):
-            trainer.optimizers[0].probe = self
-
-        def on_after_backward(self, trainer, pl_module):
-            self.mode = _Reads()
-            self.mode.__enter__()
-
-        def stop(self) -> None:
-            if self.mode is not None:
-                self.mode.__exit__(None, None, None)
-                self.per_step.append(self.mode.calls)
-                self.mode = None
-
-    probe = Probe()
+    probe = ReadProbe()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -364,7 +311,7 @@ def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg
         callbacks=[probe],
         **quiet_trainer_kwargs(limit_val_batches=0),
     )
-    trainer.fit(_ProbedCNN(), DigitsDataModule(batch_size=32))
+    trainer.fit(ProbedCNN(), DigitsDataModule(batch_size=32))
     assert len(probe.per_step) == 8
     if agg == "parameters":
         assert probe.per_step == [[]] * 8  # the vote is read after the update was launched

@@ -415,9 +415,21 @@ def _with(base: dict[str, Arg], **own: Arg) -> dict[str, Arg]:
 
 
 _SHARD = int_arg("shard_size", 1)
+_BUCKET_CAP = real_arg(
+    "bucket_cap_mb",
+    0.0,
+    low_open=True,
+    none_ok=True,
+    note="None: one all-reduce after backward, no overlap (BSPStrategy: with find_unused_parameters=True, None is "
+    "rejected: the unused parameters are found by the bucketed all-reduce's hooks)",
+)
 
 SPECS: dict[type, dict[str, Arg]] = {
-    BSPStrategy: base_specs(),
+    BSPStrategy: _with(
+        base_specs(),
+        bucket_cap_mb=_BUCKET_CAP,
+        find_unused_parameters=bool_arg("find_unused_parameters"),
+    ),
     SelSyncStrategy: _with(
         base_specs(),
         delta=real_arg("delta", 0.0, allow_inf=True),
@@ -515,6 +527,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         max_unimportant_fraction=real_arg("max_unimportant_fraction", 0.0, 1.0, high_open=True),
         loss_rate=real_arg("loss_rate", 0.0, 1.0),
         fixed_share=real_arg("fixed_share", 0.0, 1.0, high_open=True, none_ok=True),
+        bucket_cap_mb=_BUCKET_CAP,
     ),
     ASPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD),
     SSPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD, staleness=int_arg("staleness", 0)),
@@ -537,6 +550,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         shard_size=_SHARD,
         bsp_lr_scale=real_arg("bsp_lr_scale", 0.0, low_open=True, none_ok=True),
         asp_lr_scale=real_arg("asp_lr_scale", 0.0, low_open=True),
+        bucket_cap_mb=_BUCKET_CAP,
     ),
     # ------------------------------------------------------------------------------------------------ callbacks
     SyncStats: {
