@@ -245,11 +245,9 @@ class DeviceGradientChangeTracker:
 
     def commit(self, finite: bool) -> None:
         """Adopt the last update's state if its input was ``finite`` (the value of the flag it returned), else keep
-        the state from before it."""
+        the state from before it. Nothing to do when the update was already settled (e.g. by :meth:`state_dict`)."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            raise RuntimeError("DeviceGradientChangeTracker.commit without an update to commit")
-        if not finite:
+        if pending is None or not finite:
             return
         self._values[pending["slot"]].copy_(pending["x"])
         self._numerator = pending["numerator"]

@@ -217,6 +217,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
         assert self.model is not None
         self._flat = FlatState(self.model)
+        if self._grad_buckets is not None:  # a previous setup's hooks
+            self._grad_buckets.remove()
+            self._grad_buckets = None
         if self.bucket_cap_mb is not None:
             names = {i: name for i, (name, _) in enumerate(self.model.named_parameters())}
             self._grad_buckets = GradBuckets(self._flat, self.bucket_cap_mb, names, self.find_unused_parameters)

@@ -198,7 +198,7 @@ class OSPStrategy(SyncStrategy):
         RS times are Eq. 5's bandwidth measurement (``bandwidth`` and ``fixed_share`` both ``None``)."""
         if self.bandwidth is None and self.fixed_share is None:
             return None
-        if self.importance is None or self._budget() < min(self._sizes):
+        if self.importance is None or not self._sizes or self._budget() < min(self._sizes):
             return self.comm, "rs"
         return None
 
