@@ -1,34 +1,135 @@
-"""SelSync's per-step overhead, and bytes and epoch time on an emulated 1 Gbit/s, 1 ms link.
+"""The hot path's cost against its references, measured side by side in one run: BSP's step against Lightning's
+DDP step, SelSync's step that does not sync against a local step without a vote; and bytes and epoch time on an
+emulated 1 Gbit/s, 1 ms link.
 
-    python benchmarks/overhead.py            # about a minute on 2 CPU cores
+    python benchmarks/overhead.py                     # CPU: 2 processes, gloo (a few minutes on 2 cores)
+    python benchmarks/overhead.py --accelerator gpu   # GPU: 2 ranks sharing GPU 0 over gloo; 2 GPUs over NCCL too
 
-Part 1 — overhead of a step that does not sync. One 2-process run (gloo, CPU) of the demo CNN on the digits data
-alternates, step by step, SelSync's full per-step work (squared gradient norm over the flat gradient buffer,
-windowed EWMA, Eq. 2, the 4-byte vote all-reduce; delta=inf so no step syncs) with a plain local step (the same
-Lightning step with none of that). Interleaving puts both kinds of step under the same machine noise; the ratio
-of median step times is printed. Goal: <= 1.01.
+Setups (every one is two ranks, started torchrun-style so each process runs many fits):
 
-Part 2 — BSP vs SelSync(delta=0.3) for one epoch (Lightning's DistributedSampler for both, so epochs have the same
-steps) under LinkModel("1gbit", "1ms"): bytes sent per rank, seconds blocked in communication, epoch wall time,
-on the demo CNN (~38k parameters) and on WideMLP (~4.3M parameters, 17 MB: communication-heavy). Each cell is
-measured in the same pair of processes, one run after another.
+* ``cpu``: 2 processes on this machine, gloo, ``torch.set_num_threads(1)`` per rank;
+* ``gpu-shared`` (``--accelerator gpu``): the torchrun environment of two one-GPU nodes on one machine
+  (``NODE_RANK=r``, ``LOCAL_RANK=0``), ``Trainer(accelerator="gpu", devices=1, num_nodes=2)``,
+  ``process_group_backend="gloo"``: both ranks train on GPU 0 and gloo carries CUDA tensors. Runs on a one-GPU
+  machine;
+* ``gpu-nccl`` (``--accelerator gpu`` where there are >= 2 GPUs): one GPU per rank, NCCL.
 
-Every rank uses torch.set_num_threads(1) (2 ranks on 2 cores would otherwise oversubscribe).
+Part 1 — BSP vs DDP. For each model, blocks of ``--steps`` steps alternate between Lightning's ``DDPStrategy`` and
+our ``BSPStrategy`` (same backend, same model, data and seed), in ABBA order over ``--repeats`` repeats so drift of
+the machine cancels; a step's time runs from the end of the previous step to the end of this one (on a GPU after
+``torch.cuda.synchronize()``, so it is the step's own GPU work), the first ``--warmup`` steps of a block excluded.
+Printed: the median step time of each block and BSP/DDP per repeat, and the median of those ratios. Goal: <= 1.03.
+
+Part 2 — SelSync's step that does not sync vs a local step with no vote. One run alternates, step by step,
+SelSync's full per-step work (squared norm, windowed EWMA and Eq. 2 on the device, the 8-byte vote all-reduce read
+after the update; ``delta=inf`` so no step syncs) with a plain local step (the same Lightning step with none of
+that, but the per-step SIGTERM collective that SelSync folds into its vote). Interleaving puts both kinds under the
+same noise; the ratio of median step times is printed per repeat. Goal: <= 1.02.
+
+Part 3 (``cpu`` only) — one epoch under ``LinkModel("1gbit", "1ms")``: BSP (25 MiB buckets, 1 MiB buckets, no
+overlap) and SelSync(0.3): bytes sent per rank, seconds blocked in communication, epoch wall time, on the demo CNN
+(~38k parameters) and on WideMLP (~4.3M parameters, 17 MB: communication-heavy).
+
+Models: ``digits`` (the demo CNN, batch 32), ``widemlp`` (batch 32) and ``resnet18`` (torchvision's ResNet-18,
+10 classes, batch 128 of synthetic 32x32 images, the size issue 18 measured). Defaults: ``digits,widemlp`` on the
+CPU, ``resnet18`` on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.nn import functional as F
 
 WORLD = 2
 
 
-def _make_toggle_strategy():
+# ---------------------------------------------------------------------------------------------------- workloads
+class ResNet18(pl.LightningModule):
+    """torchvision's ResNet-18 (10 classes) with SGD, momentum 0.9, weight decay 5e-4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchvision
+
+        self.net = torchvision.models.resnet18(num_classes=10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+class SyntheticImages(pl.LightningDataModule):
+    """Fixed random 3x32x32 images and labels (seeded): no download, the same data on every rank and run."""
+
+    def __init__(self, batch_size: int = 128, batches: int = 64) -> None:
+        super().__init__()
+        self.batch_size, self.batches = batch_size, batches
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(0)
+        n = self.batch_size * self.batches * WORLD
+        self.data = torch.utils.data.TensorDataset(
+            torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+        )
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, drop_last=True)
+
+
+def _workload(name: str) -> tuple[Any, Any]:
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.models import DigitsCNN, WideMLP
+
+    if name == "digits":
+        return DigitsCNN(), DigitsDataModule(batch_size=32)
+    if name == "widemlp":
+        return WideMLP(), DigitsDataModule(batch_size=32)
+    if name == "resnet18":
+        return ResNet18(), SyntheticImages()
+    raise ValueError(f"model must be digits, widemlp or resnet18, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- setups
+def _placement(setup: str) -> dict[str, Any]:
+    """Trainer arguments and the process-group backend of a setup."""
+    if setup == "cpu":
+        return {"accelerator": "cpu", "devices": WORLD, "num_nodes": 1, "backend": "gloo"}
+    if setup == "gpu-shared":
+        return {"accelerator": "gpu", "devices": 1, "num_nodes": WORLD, "backend": "gloo"}
+    if setup == "gpu-nccl":
+        return {"accelerator": "gpu", "devices": WORLD, "num_nodes": 1, "backend": "nccl"}
+    raise ValueError(setup)
+
+
+def _trainer(strategy: Any, setup: str, callbacks: Any = (), **kw: Any) -> pl.Trainer:
+    from lightning_sync.launch import quiet_trainer_kwargs
+
+    place = _placement(setup)
+    return pl.Trainer(
+        accelerator=place["accelerator"],
+        devices=place["devices"],
+        num_nodes=place["num_nodes"],
+        strategy=strategy,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        **quiet_trainer_kwargs(**kw),
+    )
+
+
+def _make_toggle_strategy() -> type:
     from torch.optim import Optimizer
 
     from lightning_sync import SelSyncStrategy
@@ -60,144 +161,215 @@ def _make_toggle_strategy():
     return ToggleSelSync
 
 
-def _trainer(strategy, callbacks=(), **kw):
-    import lightning.pytorch as pl
+class StepTimer(pl.Callback):
+    """Step time = from the end of the previous step to the end of this one (after a device synchronisation on
+    a GPU), so everything a step costs — Lightning's per-step collectives, the wait for the slower rank — is
+    charged to it. ``kind(trainer)`` sorts the steps (Part 2: SelSync's or plain)."""
 
-    from lightning_sync.launch import quiet_trainer_kwargs
+    def __init__(self, warmup: int, kind: Any = None) -> None:
+        self.warmup = warmup
+        self.kind = kind or (lambda trainer: "all")
+        self.last: float | None = None
+        self.times: dict[str, list[float]] = {}
 
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        limit_val_batches=0,
-        callbacks=list(callbacks),
-        **quiet_trainer_kwargs(**kw),
-    )
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.last is not None and trainer.global_step > self.warmup:
+            self.times.setdefault(self.kind(trainer), []).append(now - self.last)
+        self.last = now
 
 
-def _worker(rank: int, out_dir: str, steps: int, repeats: int) -> None:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
+# ---------------------------------------------------------------------------------------------------- worker
+def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, warmup: int, repeats: int) -> None:
+    if setup == "gpu-shared":
+        os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")  # two one-GPU "nodes" on this machine
+    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_sync import BSPStrategy, LinkModel, SelSyncStrategy
-    from lightning_sync.data import DigitsDataModule
-    from lightning_sync.models import DigitsCNN, WideMLP
 
-    res: dict = {}
+    backend = _placement(setup)["backend"]
+    res: dict[str, Any] = {"setup": setup, "models": models}
+    if torch.cuda.is_available() and setup != "cpu":
+        res["device"] = torch.cuda.get_device_name(0)
 
-    class StepTimer(Callback):
-        """Step time = from the end of the previous step to the end of this one, so everything a step costs
-        (Lightning's per-step collectives and the wait for the slower rank included) is charged to it."""
-
-        def __init__(self, skip: int):
-            self.skip = skip
-            self.last: float | None = None
-            self.times: dict[bool, list[float]] = {True: [], False: []}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            now = time.perf_counter()
-            if self.last is not None and trainer.global_step > self.skip and batch_idx > 0:
-                self.times[trainer.strategy.plain].append(now - self.last)
-            self.last = now
-
-    # Part 1: interleaved overhead runs (several fits in the same processes)
-    blocks = []
-    for _ in range(repeats):
+    def run(strategy: Any, model_name: str, timer: StepTimer | None, **kw: Any) -> pl.Trainer:
         pl.seed_everything(0)
-        timer = StepTimer(skip=20)
-        strategy = _make_toggle_strategy()(delta=float("inf"))
-        trainer = _trainer(strategy, [timer], max_steps=steps + 20, max_epochs=-1)
-        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
-        blocks.append(
-            {
-                "selsync_median_s": statistics.median(timer.times[False]),
-                "plain_median_s": statistics.median(timer.times[True]),
-                "n": [len(timer.times[False]), len(timer.times[True])],
-                "sync_steps": strategy.step_counter.sync_steps,
-                "vote_blocked_s": strategy.comm_stats.blocked_seconds["vote"],
-                "vote_ops": strategy.comm_stats.ops["vote"],
-            }
+        model, data = _workload(model_name)
+        trainer = _trainer(strategy, setup, [timer] if timer else [], **kw)
+        trainer.fit(model, data)
+        return trainer
+
+    # Part 1: BSP vs DDP, blocks in ABBA order
+    for model_name in models:
+        rows = []
+        for r in range(repeats):
+            order = ("ddp", "bsp") if r % 2 == 0 else ("bsp", "ddp")
+            row: dict[str, Any] = {}
+            for kind in order:
+                strategy = (
+                    DDPStrategy(process_group_backend=backend)
+                    if kind == "ddp"
+                    else BSPStrategy(process_group_backend=backend)
+                )
+                timer = StepTimer(warmup)
+                run(strategy, model_name, timer, max_steps=warmup + steps + 1, max_epochs=-1)
+                row[kind] = statistics.median(timer.times["all"])
+                row[f"{kind}_n"] = len(timer.times["all"])
+            rows.append(row)
+        res[f"bsp_vs_ddp/{model_name}"] = rows
+
+    # Part 2: SelSync's non-sync step vs a plain local step, interleaved step by step
+    toggle = _make_toggle_strategy()
+    for model_name in models:
+        blocks = []
+        for _ in range(repeats):
+            strategy = toggle(delta=float("inf"), process_group_backend=backend)
+            timer = StepTimer(warmup, kind=lambda trainer: "plain" if trainer.strategy.plain else "selsync")
+            run(strategy, model_name, timer, max_steps=warmup + 2 * steps + 1, max_epochs=-1)
+            blocks.append(
+                {
+                    "selsync": statistics.median(timer.times["selsync"]),
+                    "plain": statistics.median(timer.times["plain"]),
+                    "n": [len(timer.times["selsync"]), len(timer.times["plain"])],
+                    "sync_steps": strategy.step_counter.sync_steps,
+                    "vote_blocked_s": strategy.comm_stats.blocked_seconds["vote"],
+                    "vote_ops": strategy.comm_stats.ops["vote"],
+                }
+            )
+        res[f"selsync_local/{model_name}"] = blocks
+
+    # Part 3 (CPU): one epoch on an emulated 1 Gbit/s, 1 ms link
+    if setup == "cpu":
+
+        class EpochTimer(pl.Callback):
+            def on_train_epoch_start(self, trainer, pl_module):
+                self.t0 = time.perf_counter()
+
+            def on_train_epoch_end(self, trainer, pl_module):
+                self.seconds = time.perf_counter() - self.t0
+
+        link = LinkModel("1gbit", "1ms")
+        for model_name in ("digits", "widemlp"):
+            for name, make in (
+                ("BSP", lambda: BSPStrategy(link=link)),
+                ("BSP(1 MiB buckets)", lambda: BSPStrategy(bucket_cap_mb=1, link=link)),
+                ("BSP(no overlap)", lambda: BSPStrategy(bucket_cap_mb=None, link=link)),
+                ("SelSync(0.3)", lambda: SelSyncStrategy(delta=0.3, link=link)),
+            ):
+                pl.seed_everything(0)
+                epoch = EpochTimer()
+                strategy = make()
+                model, data = _workload(model_name)
+                trainer = _trainer(strategy, setup, [epoch], max_epochs=1)
+                trainer.fit(model, data)
+                stats = strategy.comm_stats
+                res[f"link/{model_name}/{name}"] = {
+                    "steps": strategy.step_counter.steps,
+                    "lssr": strategy.step_counter.lssr,
+                    "bytes_sent": stats.total_bytes(),
+                    "blocked_s": stats.total_blocked_seconds(),
+                    "epoch_s": epoch.seconds,
+                    "params": sum(p.numel() for p in trainer.lightning_module.parameters()),
+                }
+    Path(out_dir, f"{setup}_rank{rank}.json").write_text(json.dumps(res))
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _report(r0: dict[str, Any]) -> None:
+    setup = r0["setup"]
+    where = f"{setup}" + (f", {r0['device']}" if "device" in r0 else "")
+    for model_name in r0["models"]:
+        rows = r0[f"bsp_vs_ddp/{model_name}"]
+        print(f"\n## Part 1: BSP step vs Lightning DDP step ({model_name}, 2 ranks, {where})")
+        print("| repeat | order | DDP steps | median DDP ms | BSP steps | median BSP ms | BSP / DDP |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
+        ratios = []
+        for i, row in enumerate(rows):
+            ratio = row["bsp"] / row["ddp"]
+            ratios.append(ratio)
+            order = "DDP, BSP" if i % 2 == 0 else "BSP, DDP"
+            print(
+                f"| {i + 1} | {order} | {row['ddp_n']} | {row['ddp'] * 1e3:.3f} | {row['bsp_n']} "
+                f"| {row['bsp'] * 1e3:.3f} | {ratio:.3f} |"
+            )
+        median = statistics.median(ratios)
+        print(f"median BSP / DDP over repeats ({model_name}, {setup}): {median:.3f}   (goal <= 1.03)")
+    for model_name in r0["models"]:
+        blocks = r0[f"selsync_local/{model_name}"]
+        print(f"\n## Part 2: SelSync step that does not sync vs a local step without a vote ({model_name}, {where})")
+        print(
+            "| run | SelSync steps | plain steps | syncs | median SelSync ms | median plain ms | ratio "
+            "| vote blocked us |"
         )
-    res["overhead"] = blocks
-
-    # Part 2: one epoch, BSP vs SelSync(0.3), emulated 1 Gbit/s + 1 ms
-    class EpochTimer(Callback):
-        def on_train_epoch_start(self, trainer, pl_module):
-            self.t0 = time.perf_counter()
-
-        def on_train_epoch_end(self, trainer, pl_module):
-            self.seconds = time.perf_counter() - self.t0
-
-    link = LinkModel("1gbit", "1ms")
-    for model_name, make_model in (("DigitsCNN", DigitsCNN), ("WideMLP", WideMLP)):
-        for strat_name, make_strategy in (
-            ("BSP", lambda: BSPStrategy(link=link)),
-            ("SelSync(0.3)", lambda: SelSyncStrategy(delta=0.3, link=link)),
-        ):
-            pl.seed_everything(0)
-            timer2 = EpochTimer()
-            strategy = make_strategy()
-            trainer = _trainer(strategy, [timer2], max_epochs=1)
-            trainer.fit(make_model(), DigitsDataModule(batch_size=32))
-            stats = strategy.comm_stats
-            res[f"{model_name}/{strat_name}"] = {
-                "steps": strategy.step_counter.steps,
-                "lssr": strategy.step_counter.lssr,
-                "bytes_sent": stats.total_bytes(),
-                "blocked_s": stats.total_blocked_seconds(),
-                "epoch_s": timer2.seconds,
-                "params": sum(p.numel() for p in trainer.lightning_module.parameters()),
-            }
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        ratios = []
+        for i, o in enumerate(blocks):
+            ratio = o["selsync"] / o["plain"]
+            ratios.append(ratio)
+            vote_us = o["vote_blocked_s"] / max(1, o["vote_ops"]) * 1e6
+            print(
+                f"| {i + 1} | {o['n'][0]} | {o['n'][1]} | {o['sync_steps']} | {o['selsync'] * 1e3:.3f} "
+                f"| {o['plain'] * 1e3:.3f} | {ratio:.3f} | {vote_us:.0f} |"
+            )
+        print(
+            f"median SelSync / plain over runs ({model_name}, {setup}): {statistics.median(ratios):.3f}   "
+            "(goal <= 1.02)"
+        )
+    if setup == "cpu":
+        print("\n## Part 3: one epoch at an emulated 1 Gbit/s, 1 ms link (rank 0; DistributedSampler)")
+        print("| model | params | strategy | steps | LSSR | bytes sent / rank | blocked s | epoch s |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|")
+        names = ("BSP", "BSP(1 MiB buckets)", "BSP(no overlap)", "SelSync(0.3)")
+        for model_name in ("digits", "widemlp"):
+            for name in names:
+                c = r0[f"link/{model_name}/{name}"]
+                print(
+                    f"| {model_name} | {c['params']:,} | {name} | {c['steps']} | {c['lssr']:.3f} "
+                    f"| {c['bytes_sent']:,} | {c['blocked_s']:.3f} | {c['epoch_s']:.3f} |"
+                )
+        for model_name in ("digits", "widemlp"):
+            b, s = r0[f"link/{model_name}/BSP"], r0[f"link/{model_name}/SelSync(0.3)"]
+            print(
+                f"{model_name}: BSP/SelSync bytes = {b['bytes_sent'] / max(1, s['bytes_sent']):.1f}x, "
+                f"epoch time = {b['epoch_s'] / s['epoch_s']:.2f}x"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600, help="measured steps in part 1 (half of each kind)")
-    parser.add_argument("--repeats", type=int, default=3, help="part 1 runs, one after another")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--models", default=None, help="comma-separated: digits, widemlp, resnet18")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per block (part 2: of each kind)")
+    parser.add_argument("--warmup", type=int, default=20, help="steps not measured at the start of each block")
+    parser.add_argument("--repeats", type=int, default=4, help="blocks per strategy (part 1), runs (part 2)")
     parser.add_argument("--json", type=Path, default=None, help="also write rank 0's raw numbers here")
     args = parser.parse_args()
 
     from lightning_sync.launch import launch_local
 
-    with tempfile.TemporaryDirectory() as tmp:
-        launch_local(_worker, WORLD, tmp, args.steps, args.repeats)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    r0 = ranks[0]
+    if args.accelerator == "gpu":
+        if not torch.cuda.is_available():
+            raise SystemExit("--accelerator gpu: no CUDA device on this machine")
+        setups = ["gpu-shared"] + (["gpu-nccl"] if torch.cuda.device_count() >= 2 else [])
+        models = (args.models or "resnet18").split(",")
+        steps = args.steps or 200
+    else:
+        setups = ["cpu"]
+        models = (args.models or "digits,widemlp").split(",")
+        steps = args.steps or 150
+    out: dict[str, Any] = {}
+    for setup in setups:
+        with tempfile.TemporaryDirectory() as tmp:
+            threads = 1 if setup == "cpu" else None
+            launch_local(_worker, WORLD, tmp, setup, models, steps, args.warmup, args.repeats, threads=threads)
+            out[setup] = [json.loads(Path(tmp, f"{setup}_rank{r}.json").read_text()) for r in range(WORLD)]
+        _report(out[setup][0])
+    if args.accelerator == "gpu" and torch.cuda.device_count() < 2:
+        print("\n(one GPU: the two-GPU NCCL setup was not run)")
     if args.json:
-        args.json.write_text(json.dumps(ranks, indent=2))
-
-    print("\n## Part 1: per-step overhead of a SelSync step that does not sync (demo CNN, 2 ranks, gloo, CPU)")
-    print(
-        "| run | SelSync steps | plain steps | syncs | median SelSync ms | median plain ms | ratio | vote blocked us |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    ratios = []
-    for i, o in enumerate(r0["overhead"]):
-        ratio = o["selsync_median_s"] / o["plain_median_s"]
-        ratios.append(ratio)
-        vote_us = o["vote_blocked_s"] / max(1, o["vote_ops"]) * 1e6
-        print(
-            f"| {i + 1} | {o['n'][0]} | {o['n'][1]} | {o['sync_steps']} | {o['selsync_median_s'] * 1e3:.3f} "
-            f"| {o['plain_median_s'] * 1e3:.3f} | {ratio:.3f} | {vote_us:.0f} |"
-        )
-    print(f"median ratio SelSync / plain over runs: {statistics.median(ratios):.3f}   (goal <= 1.01)")
-    print("\n## Part 2: one epoch at an emulated 1 Gbit/s, 1 ms link (rank 0; DistributedSampler)")
-    print("| model | params | strategy | steps | LSSR | bytes sent / rank | blocked s | epoch s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for model in ("DigitsCNN", "WideMLP"):
-        for strat in ("BSP", "SelSync(0.3)"):
-            c = r0[f"{model}/{strat}"]
-            print(
-                f"| {model} | {c['params']:,} | {strat} | {c['steps']} | {c['lssr']:.3f} | {c['bytes_sent']:,} "
-                f"| {c['blocked_s']:.3f} | {c['epoch_s']:.3f} |"
-            )
-    for model in ("DigitsCNN", "WideMLP"):
-        b, s = r0[f"{model}/BSP"], r0[f"{model}/SelSync(0.3)"]
-        print(
-            f"{model}: BSP/SelSync bytes = {b['bytes_sent'] / max(1, s['bytes_sent']):.1f}x, "
-            f"epoch time = {b['epoch_s'] / s['epoch_s']:.2f}x"
-        )
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

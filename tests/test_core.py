@@ -2,10 +2,12 @@
 
 import math
 import random
+import struct
 
 import pytest
+import torch
 
-from lightning_sync.core import GradientChangeTracker, StepCounter, wants_sync
+from lightning_sync.core import DeviceGradientChangeTracker, GradientChangeTracker, StepCounter, wants_sync
 
 
 def direct_smoothed(values, window, alpha):
@@ -114,3 +116,89 @@ def test_step_counter_lssr():
     d = StepCounter()
     d.load_state_dict(c.state_dict())
     assert d.lssr == c.lssr
+
+
+# ----------------------------------------------------------------------- the device tracker (SelSync on the device)
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _adversarial(seed: int, n: int) -> list[float]:
+    """Squared norms over many magnitudes, with zeros, NaN, inf and values whose EWMA overflows to inf."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.03:
+            out.append(math.nan)
+        elif r < 0.06:
+            out.append(math.inf)
+        elif r < 0.10:
+            out.append(0.0)
+        elif r < 0.12:
+            out.append(1e308)
+        else:
+            out.append(rng.uniform(0.0, 10.0) * 10.0 ** rng.randint(-6, 6))
+    return out
+
+
+def _same(a, b) -> bool:
+    """Equal bits (NaN equals NaN), recursively through the state dicts."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or struct.pack("<d", a) == struct.pack("<d", b)
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("window", [1, 2, 3, 25, 40, 100])
+@pytest.mark.parametrize("alpha", [1.0, 0.5, 0.02, 1e-9])
+def test_device_tracker_is_bit_identical_to_the_host_tracker(device, window, alpha):
+    host = GradientChangeTracker(window=window, smoothing=alpha)
+    dev = DeviceGradientChangeTracker(window=window, smoothing=alpha, device=device)
+    for i, x in enumerate(_adversarial(window * 1000 + int(alpha * 100), 260)):
+        expected = host.update(x)
+        delta, finite = dev.update(torch.tensor(x, dtype=torch.float64, device=device))
+        assert delta.device.type == device and finite.device.type == device  # nothing moved to the host
+        dev.commit(bool(finite))
+        assert _same(float(delta), expected), (i, x, float(delta), expected)
+        assert bool(finite) == math.isfinite(x)
+    assert _same(dev.state_dict(), host.state_dict())
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_device_tracker_checkpoints_interchange_with_the_host_tracker(device):
+    seq = _adversarial(7, 120)
+    host = GradientChangeTracker(window=25, smoothing=0.02)
+    out_host = [host.update(x) for x in seq]
+    # device for 50 steps -> host for 30 -> device again: the same deltas, bit for bit
+    dev = DeviceGradientChangeTracker(window=25, smoothing=0.02, device=device)
+    out = [float(dev.update(torch.tensor(x, dtype=torch.float64, device=device))[0]) for x in seq[:50]]
+    mid = GradientChangeTracker(window=25, smoothing=0.02)
+    mid.load_state_dict(dev.state_dict())  # an uncommitted update is committed (reading its flag) by state_dict
+    out += [mid.update(x) for x in seq[50:80]]
+    end = DeviceGradientChangeTracker(window=25, smoothing=0.02, device=device)
+    end.load_state_dict(mid.state_dict())
+    for x in seq[80:]:
+        delta, finite = end.update(torch.tensor(x, dtype=torch.float64, device=device))
+        end.commit(bool(finite))
+        out.append(float(delta))
+    assert _same(out, out_host)
+    assert _same(end.state_dict(), host.state_dict())
+    with pytest.raises(ValueError, match="window"):
+        DeviceGradientChangeTracker(window=24, smoothing=0.02).load_state_dict(host.state_dict())
+
+
+def test_device_tracker_memory_follows_the_values_seen_not_the_window():
+    dev = DeviceGradientChangeTracker(window=2**62, smoothing=0.5)  # a window no buffer could hold
+    host = GradientChangeTracker(window=2**62, smoothing=0.5)
+    for x in _adversarial(3, 100):
+        delta, finite = dev.update(torch.tensor(x, dtype=torch.float64))
+        dev.commit(bool(finite))
+        assert _same(float(delta), host.update(x))
+    assert dev._values.numel() <= 128
+    state = dev.state_dict()
+    dev.commit(True)  # already settled: nothing changes
+    assert _same(dev.state_dict(), state)

@@ -430,9 +430,21 @@ _PUSH_SCALE = {
     ),
     "warmup_steps": int_arg("warmup_steps", 0),
 }
+_BUCKET_CAP = real_arg(
+    "bucket_cap_mb",
+    0.0,
+    low_open=True,
+    none_ok=True,
+    note="None: one all-reduce after backward, no overlap (BSPStrategy: with find_unused_parameters=True, None is "
+    "rejected: the unused parameters are found by the bucketed all-reduce's hooks)",
+)
 
 SPECS: dict[type, dict[str, Arg]] = {
-    BSPStrategy: base_specs(),
+    BSPStrategy: _with(
+        base_specs(),
+        bucket_cap_mb=_BUCKET_CAP,
+        find_unused_parameters=bool_arg("find_unused_parameters"),
+    ),
     SelSyncStrategy: _with(
         base_specs(),
         delta=real_arg("delta", 0.0, allow_inf=True),
@@ -530,6 +542,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         max_unimportant_fraction=real_arg("max_unimportant_fraction", 0.0, 1.0, high_open=True),
         loss_rate=real_arg("loss_rate", 0.0, 1.0),
         fixed_share=real_arg("fixed_share", 0.0, 1.0, high_open=True, none_ok=True),
+        bucket_cap_mb=_BUCKET_CAP,
     ),
     ASPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD, **_PUSH_SCALE),
     SSPStrategy: _with(
@@ -555,6 +568,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         bsp_lr_scale=real_arg("bsp_lr_scale", 0.0, low_open=True, none_ok=True),
         asp_lr_scale=real_arg("asp_lr_scale", 0.0, low_open=True),
         **_PUSH_SCALE,
+        bucket_cap_mb=_BUCKET_CAP,
     ),
     # ------------------------------------------------------------------------------------------------ callbacks
     SyncStats: {

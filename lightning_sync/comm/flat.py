@@ -31,6 +31,10 @@ class _Group:
     buffer_numel: int
     param_numel: int
     buffer_slots: list[tuple[nn.Module, str]] = field(default_factory=list)
+    #: each parameter's position in ``module.parameters()`` (registration order over all groups)
+    param_order: list[int] = field(default_factory=list)
+    #: each parameter's first element in ``grads`` (and ``state``)
+    param_offsets: list[int] = field(default_factory=list)
 
     @property
     def buffers(self) -> Tensor:
@@ -58,10 +62,12 @@ class FlatState:
 
     def __init__(self, module: nn.Module) -> None:
         params: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for p in module.parameters():
+        order: dict[int, int] = {}
+        for i, p in enumerate(module.parameters()):
             if p.is_sparse:
                 raise ValueError("sparse parameters are not supported by lightning_sync strategies")
             params.setdefault((p.device, p.dtype), []).append(p)
+            order[id(p)] = i
         buffers: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Module, str, Tensor]]] = {}
         seen: set[int] = set()
         for mod in module.modules():
@@ -72,7 +78,9 @@ class FlatState:
                 buffers.setdefault((buf.device, buf.dtype), []).append((mod, name, buf))
         self.groups: list[_Group] = []
         for key in list(params) + [k for k in buffers if k not in params]:
-            self.groups.append(self._build(params.get(key, []), buffers.get(key, []), *key))
+            group = self._build(params.get(key, []), buffers.get(key, []), *key)
+            group.param_order = [order[id(p)] for p in group.params]
+            self.groups.append(group)
 
     @staticmethod
     def _build(
@@ -85,11 +93,12 @@ class FlatState:
         b_numel = sum(b.numel() for _, _, b in buffers)
         state = torch.empty(p_numel + b_numel, device=device, dtype=dtype)
         grads = torch.zeros(p_numel + b_numel, device=device, dtype=dtype)
-        param_views, grad_views, trainable = [], [], []
+        param_views, grad_views, trainable, offsets = [], [], [], []
         offset = 0
         with torch.no_grad():
             for p in params:
                 n = p.numel()
+                offsets.append(offset)
                 view = state[offset : offset + n].view_as(p)
                 view.copy_(p.data)
                 p.data = view
@@ -108,7 +117,9 @@ class FlatState:
                 mod._buffers[name] = view
                 slots.append((mod, name))
                 offset += n
-        return _Group(state, grads, list(params), param_views, grad_views, trainable, b_numel, p_numel, slots)
+        return _Group(
+            state, grads, list(params), param_views, grad_views, trainable, b_numel, p_numel, slots, [], offsets
+        )
 
     # ------------------------------------------------------------------ views used by the strategies
     def state_tensors(self) -> list[Tensor]:
@@ -121,15 +132,16 @@ class FlatState:
             return [g.grads for g in self.groups if g.grads.numel()]
         return [g.grad_region for g in self.groups if g.param_numel]
 
-    def stage_buffers(self) -> None:
-        """Copy the buffers into the gradient buffer's scratch tail (before a gradient sync)."""
-        for g in self.groups:
+    def stage_buffers(self, group: int | None = None) -> None:
+        """Copy the buffers into the gradient buffer's scratch tail (before a gradient sync); of one group when
+        ``group`` (an index into :attr:`groups`) is given."""
+        for g in self.groups if group is None else [self.groups[group]]:
             if g.buffer_numel:
                 g.grads[g.param_numel :].copy_(g.buffers)
 
-    def unstage_buffers(self) -> None:
-        """Copy the synced buffers back from the scratch tail (after a gradient sync)."""
-        for g in self.groups:
+    def unstage_buffers(self, group: int | None = None) -> None:
+        """Copy the synced buffers back from the scratch tail (after a gradient sync); of one group when given."""
+        for g in self.groups if group is None else [self.groups[group]]:
             if g.buffer_numel:
                 g.buffers.copy_(g.grads[g.param_numel :])
 

@@ -35,7 +35,16 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
+from lightning_sync.comm import (
+    CommHandle,
+    CommStats,
+    Communicator,
+    FlatState,
+    LinkModel,
+    destroy_default_group,
+    report_failure,
+)
+from lightning_sync.comm.buckets import GradBuckets
 from lightning_sync.core import StepCounter
 from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
@@ -100,6 +109,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     #: step). ``True``: the method handles it — folded into its own per-step collective (SelSync), or
     #: :meth:`_check_sigterm` called at its sync points only (periodic methods, so local steps stay collective-free).
     carries_sigterm: ClassVar[bool] = False
+    #: Bucket size in MiB of the gradient all-reduce overlapped with backward (:mod:`lightning_sync.comm.buckets`),
+    #: set by the ``bucket_cap_mb`` argument of methods that average gradients every step (they also override
+    #: :meth:`_overlap_grads`); ``None``: no gradient hooks, :meth:`average_grads` is one all-reduce after backward.
+    bucket_cap_mb: float | None = None
+    #: DDP's ``find_unused_parameters`` for the overlapped all-reduce (see :mod:`lightning_sync.comm.buckets`)
+    find_unused_parameters: bool = False
 
     def __init__(
         self,
@@ -151,6 +166,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self._sigterm_buf: Tensor | None = None
         self._restored_comm: dict[str, Any] | None = None
         self._verify_after_update: Communicator | None = None  # verify_sync: check replicas after this update
+        self._grad_buckets: GradBuckets | None = None
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -201,6 +217,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
         assert self.model is not None
         self._flat = FlatState(self.model)
+        if self._grad_buckets is not None:  # a previous setup's hooks
+            self._grad_buckets.remove()
+            self._grad_buckets = None
+        if self.bucket_cap_mb is not None:
+            names = {i: name for i, (name, _) in enumerate(self.model.named_parameters())}
+            self._grad_buckets = GradBuckets(self._flat, self.bucket_cap_mb, names, self.find_unused_parameters)
         if not (self._restored_state is not None and self._restored_per_rank):
             # start identical; a resume of per-rank replicas keeps each rank's own (loaded before setup)
             for tensor in self._flat.state_tensors():
@@ -232,9 +254,22 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         **kwargs: Any,
     ) -> Any:
         def closure_then_sync() -> Any:
-            result = closure()
-            self._last_loss = result
-            self._after_backward(optimizer)
+            self._arm_grad_buckets()
+            try:
+                result = closure()
+                self._last_loss = result
+                self._after_backward(optimizer)
+            except BaseException:
+                if self._grad_buckets is not None:
+                    self._grad_buckets.abandon()
+                raise
+            buckets = self._grad_buckets
+            if buckets is not None and buckets.armed:
+                buckets.finish(self.comm)  # nothing left in flight, then say whose contract was broken
+                raise RuntimeError(
+                    f"{type(self).__name__}._overlap_grads() announced a gradient average for this step, but "
+                    "_after_backward did not call average_grads with that communicator and tag"
+                )
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -248,6 +283,28 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Gradients of this step are ready (flat, bound); the optimizer has not updated yet."""
+
+    def _overlap_grads(self) -> tuple[Communicator, str] | None:
+        """Before the backward of a step that will update the model: ``(communicator, tag)`` if this step's
+        :meth:`_after_backward` will call ``average_grads(tag=tag, comm=communicator)`` — known before backward —
+        so the gradient buckets are all-reduced during backward, each as soon as its gradients are ready
+        (:mod:`lightning_sync.comm.buckets`); ``None`` (default) when it will not, or cannot be known yet (then
+        :meth:`average_grads` is one all-reduce after backward). Only used when :attr:`bucket_cap_mb` is set."""
+        return None
+
+    def _arm_grad_buckets(self) -> None:
+        buckets = self._grad_buckets
+        if buckets is None:
+            return
+        plan = self._overlap_grads()
+        if plan is None:
+            return
+        comm, tag = plan
+
+        def launch(tensor: Tensor) -> CommHandle:
+            return comm.all_reduce(tensor, op="avg", tag=tag, async_op=True)
+
+        buckets.arm(launch, key=(comm, tag))
 
     # ------------------------------------------------------------------ train start and end
     def on_train_start(self) -> None:
@@ -294,8 +351,10 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             self._verify(tensors, "parameters and buffers")
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
-        """Average gradients (and floating buffers, carried in the same buffer): one all-reduce per group, over
-        ``comm`` (default: all ranks; a subgroup's communicator averages over its members only).
+        """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
+        ranks; a subgroup's communicator averages over its members only): the buckets launched during backward when
+        :meth:`_overlap_grads` announced this call (the rest launched now, all waited on), else one all-reduce per
+        (device, dtype) group now.
 
         With :attr:`verify_sync`, the averaged gradients are checked at once; with ``verify_update=True`` as well
         (methods whose replicas are identical before the step, e.g. BSP) the parameters and buffers are checked
@@ -303,10 +362,20 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """
         comm = comm if comm is not None else self.comm
         flat = self.flat
-        flat.stage_buffers()
-        tensors = flat.grad_tensors()
-        comm.all_reduce_many(tensors, op="avg", tag=tag)
-        flat.unstage_buffers()
+        buckets = self._grad_buckets
+        if buckets is not None and buckets.armed:
+            # launched bucket by bucket during backward (see _overlap_grads): launch the rest, wait for all
+            if buckets.key != (comm, tag):
+                raise RuntimeError(
+                    f"average_grads(tag={tag!r}) over another communicator or tag than {type(self).__name__}."
+                    f"_overlap_grads() announced for this step ({buckets.key[1]!r})"
+                )
+            tensors = buckets.finish(comm)
+        else:
+            flat.stage_buffers()
+            tensors = flat.grad_tensors()
+            comm.all_reduce_many(tensors, op="avg", tag=tag)
+            flat.unstage_buffers()
         if self.verify_sync:
             self._verify(tensors, "gradients and buffers", comm)
             if verify_update:
@@ -379,12 +448,17 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, before Lightning tears down and the process exits: their next
         operation with this rank raises :class:`~lightning_sync.comm.PeerFailure` naming it and its error."""
+        if self._grad_buckets is not None:
+            self._grad_buckets.abandon()  # never wait for buckets in flight on the way out: a peer may be gone
         if self._comm is not None and self.world_size > 1:
             report_failure(exception)
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        if self._grad_buckets is not None:
+            self._grad_buckets.remove()
+            self._grad_buckets = None
         self._flat = None
         self._comm = None
         super().teardown()

@@ -2,24 +2,56 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.optim import Optimizer
 
+from lightning_sync.comm import Communicator
+from lightning_sync.comm.buckets import DEFAULT_BUCKET_CAP_MB, check_bucket_cap_mb
+from lightning_sync.core.validation import check_bool
 from lightning_sync.strategies.base import SyncStrategy
 
 
 class BSPStrategy(SyncStrategy):
     """Average gradients over all ranks after every backward, then step: Eq. 1 of the SelSync paper.
 
-    The same update as Lightning's ``ddp`` (whose ``DistributedDataParallel`` all-reduces gradient buckets),
-    but through this pack's :class:`~lightning_sync.comm.Communicator`, so its bytes, collectives and blocked time
-    are counted and link-emulated exactly like every other method's. One all-reduce per step over the flat
-    gradient buffer, which also carries the floating buffers (BatchNorm statistics are averaged every step).
-    Unlike DDP, the all-reduce runs after backward rather than overlapping it bucket by bucket.
+    The same update as Lightning's ``ddp``, and like its ``DistributedDataParallel`` the gradients are all-reduced
+    in buckets during backward, each as soon as its gradients are ready (:mod:`lightning_sync.comm.buckets`), but
+    through this pack's :class:`~lightning_sync.comm.Communicator`, so bytes, collectives and blocked time are
+    counted and link-emulated exactly like every other method's. The floating buffers travel with the gradients
+    (BatchNorm statistics are averaged every step).
+
+    Args:
+        bucket_cap_mb: bucket size in MiB (DDP's argument, default 25), a number > 0; ``None`` all-reduces the
+            whole gradient buffer once after backward (no overlap).
+        find_unused_parameters: as DDP's: one extra small all-reduce per step finds the parameters no rank used, and
+            their gradient is ``None`` (the optimizer skips them). Without it a parameter that gets no gradient on
+            some rank contributes zeros there (no hang either way), and one no rank used gets a zero gradient that
+            the optimizer applies (weight decay, momentum).
+        **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments.
     """
 
     strategy_name = "bsp"
     strategy_description = "Bulk-synchronous parallel: gradient all-reduce every step, counted by lightning_sync"
     replicas_diverge = False  # identical gradients every step keep parameters and momentum identical
+
+    def __init__(
+        self,
+        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+        find_unused_parameters: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
+        self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
+        if self.find_unused_parameters and self.bucket_cap_mb is None:
+            raise ValueError(
+                "find_unused_parameters=True needs bucket_cap_mb (a number > 0): the unused parameters are found by "
+                "the bucketed all-reduce's gradient hooks"
+            )
+        super().__init__(**kwargs)
+
+    def _overlap_grads(self) -> tuple[Communicator, str] | None:
+        return self.comm, "grads"
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         self.average_grads(tag="grads", verify_update=True)

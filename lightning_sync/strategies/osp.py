@@ -12,6 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle, Communicator
+from lightning_sync.comm.buckets import DEFAULT_BUCKET_CAP_MB, check_bucket_cap_mb
 from lightning_sync.comm.link import parse_bandwidth
 from lightning_sync.core.osp import ICSSchedule, layer_importance, select_unimportant, sgd_step, u_max
 from lightning_sync.core.validation import check_real
@@ -46,6 +47,12 @@ class OSPStrategy(SyncStrategy):
       not queue behind it. Floating buffers are averaged in the RS every step. Local shuffling per epoch (§4.2) is
       the sampler's ``set_epoch`` reshuffle (Lightning's default).
     * §4.3: ``S(G^u) = 0`` is BSP (tested); the 80% cap keeps OSP from degrading towards ASP.
+    * When the RS covers the whole model (the first step, the first epoch's :math:`S_1 = 0`, or a share too small
+      for any layer) it is BSP's bucketed all-reduce, overlapped with backward (``bucket_cap_mb``), provided
+      ``bandwidth`` or ``fixed_share`` is given: with neither, the RS all-reduces are the bandwidth probe of Eq. 5
+      and must be timed alone, after backward. A partial RS (important layers gathered from all over the flat
+      buffer) is one all-reduce after backward: which layers are important is known only once the previous ICS
+      has landed, which is waited for after this backward so that it overlaps it.
 
     Logged (``SyncStats``): ``bytes_rs``, ``bytes_ics``, ``ics_fraction`` (share of the model in the ICS this
     step), ``u_max`` (elements), ``ics_wait_s`` (time waiting on ICS) and ``overlap`` (1 − waited / ICS duration).
@@ -59,6 +66,8 @@ class OSPStrategy(SyncStrategy):
         loss_rate: the link's loss rate in Eq. 5, a fraction of packets lost in [0, 1].
         fixed_share: use this fraction of the model, in [0, 1), as :math:`S(G^u)` every step instead of
             Algorithm 1.
+        bucket_cap_mb: bucket size in MiB of a whole-model RS overlapped with backward (see above), a number > 0;
+            ``None``: never overlapped.
 
     When :math:`U_{max}` comes from measured times (``T_c``, and the bandwidth when not given) and is below the cap,
     the ICS share depends on wall-clock measurements, so runs are not bit-reproducible; with the cap binding (a fast
@@ -76,6 +85,7 @@ class OSPStrategy(SyncStrategy):
         max_unimportant_fraction: float = 0.8,
         loss_rate: float = 0.0,
         fixed_share: float | None = None,
+        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
         **kwargs: Any,
     ) -> None:
         self.bandwidth = None if bandwidth is None else parse_bandwidth(bandwidth)
@@ -86,6 +96,7 @@ class OSPStrategy(SyncStrategy):
         self.fixed_share = (
             None if fixed_share is None else check_real("fixed_share", fixed_share, 0.0, 1.0, high_open=True)
         )
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         super().__init__(**kwargs)
         self.schedule: ICSSchedule | None = None
         self.importance: torch.Tensor | None = None
@@ -180,6 +191,16 @@ class OSPStrategy(SyncStrategy):
         if self.fixed_share is not None:
             return self.fixed_share * self.flat.groups[0].param_numel
         return self.schedule.share
+
+    def _overlap_grads(self) -> tuple[Communicator, str] | None:
+        """A whole-model RS, known before backward: no importance yet, or a budget no layer fits in (then
+        :func:`~lightning_sync.core.osp.select_unimportant` selects nothing whatever the importance). Not while the
+        RS times are Eq. 5's bandwidth measurement (``bandwidth`` and ``fixed_share`` both ``None``)."""
+        if self.bandwidth is None and self.fixed_share is None:
+            return None
+        if self.importance is None or not self._sizes or self._budget() < min(self._sizes):
+            return self.comm, "rs"
+        return None
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         self._epoch_stats[0] += time.perf_counter() - self._step_start

@@ -9,7 +9,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
-from lightning_sync.core import GradientChangeTracker, wants_sync
+from lightning_sync.core import DeviceGradientChangeTracker
 from lightning_sync.core.validation import MAX_INT64, check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
 
@@ -22,8 +22,8 @@ class SelSyncStrategy(SyncStrategy):
     Per step (Alg. 1), on every rank:
 
     1. after backward, the squared norm of the local gradient (one fused dot product over the flat gradient
-       buffer) feeds a :class:`~lightning_sync.core.GradientChangeTracker`: EWMA over ``window`` steps with factor
-       ``smoothing``, relative change :math:`\Delta(g_i)` of Eq. 2;
+       buffer) feeds a :class:`~lightning_sync.core.DeviceGradientChangeTracker`: EWMA over ``window`` steps with
+       factor ``smoothing``, relative change :math:`\Delta(g_i)` of Eq. 2;
     2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one 8-byte all-reduce sums the votes
        (line 12 — the paper all-gathers an N-bit array; a sum carries the same "any" plus the voter count). The
        same 8-byte all-reduce carries Lightning's per-step SIGTERM flag, so a local step costs one round trip;
@@ -31,6 +31,16 @@ class SelSyncStrategy(SyncStrategy):
        any rank voted, parameters and buffers are averaged (one all-reduce). The vote's all-reduce is launched
        asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
        ``aggregation="gradients"``: if any rank voted, gradients (and buffers) are averaged before the update.
+
+    **The decision stays on the device.** The norm, the EWMA window, :math:`\Delta` and the vote are float64
+    tensors where the gradients are (the host :class:`~lightning_sync.core.GradientChangeTracker`'s arithmetic,
+    bit for bit), and the vote all-reduce takes them from there. With parameter aggregation nothing is read on the
+    host before the optimizer step is queued: the vote (with the SIGTERM flags and whether this rank's norm was
+    finite) is read once, after the local update — the first point where the host needs the answer, to decide
+    whether to average. Gradient aggregation needs the answer *before* the update, so it costs what the order of
+    Alg. 1 implies: the norm needs the whole backward, the vote a round trip and a host read of it, and only then
+    can the gradients (one all-reduce, not overlapped with backward) go; a local step still pays the vote's round
+    trip before its update.
 
     :math:`\delta=0` syncs every step: with parameter aggregation and identical replicas this is BSP (for SGD
     with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
@@ -70,10 +80,10 @@ class SelSyncStrategy(SyncStrategy):
         self.window = window
         self.smoothing = smoothing
         self.aggregation: Aggregation = aggregation
-        self.tracker: GradientChangeTracker | None = None
-        self.last_delta = 0.0
+        self.tracker: DeviceGradientChangeTracker | None = None
         self.last_voters = 0
-        self._vote: torch.Tensor | None = None
+        self._vote: torch.Tensor | None = None  # [votes, SIGTERM flags | this rank's norm was finite]
+        self._sigterm_votes = 0.0
         self._pending_vote: CommHandle | None = None
 
     @property
@@ -82,19 +92,24 @@ class SelSyncStrategy(SyncStrategy):
             return float(self.smoothing)
         return min(1.0, self.world_size / 100.0)
 
+    @property
+    def last_delta(self) -> float:
+        """This rank's last :math:`\\Delta(g_i)` (read from the device when asked: metrics, checkpoints)."""
+        return self.tracker.last_delta if self.tracker is not None else 0.0
+
+    def _new_tracker(self) -> DeviceGradientChangeTracker:
+        # where the gradients are (the squared norm's device): nothing crosses to the host per step
+        device = next((g.grads.device for g in self.flat.groups if g.param_numel), self.root_device)
+        return DeviceGradientChangeTracker(window=self.window, smoothing=self.effective_smoothing, device=device)
+
     def _on_flat_ready(self) -> None:
         if self.tracker is None:  # else restored from a checkpoint by load_strategy_state
-            self.tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
-        self._vote = torch.zeros(2, dtype=torch.float32, device=self._comm_device())  # [votes, SIGTERM flags]
+            self.tracker = self._new_tracker()
+        self._vote = torch.zeros(3, dtype=torch.float32, device=self.tracker.device)
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
-        assert self.tracker is not None and self._vote is not None
-        sq_norm = float(self.flat.grad_sq_norm())
-        self.last_delta = self.tracker.update(sq_norm)
-        self._vote[0] = 1.0 if wants_sync(self.last_delta, self.delta) else 0.0
-        self._vote[1] = self._sigterm_flag()
-        handle = self.comm.all_reduce(self._vote, op="sum", tag="vote", async_op=True)
+        handle = self.comm.all_reduce(self._cast_vote(), op="sum", tag="vote", async_op=True)
         if self.aggregation == "gradients":
             synced = self._resolve_vote(handle)
             if synced:
@@ -116,15 +131,27 @@ class SelSyncStrategy(SyncStrategy):
         self.step_counter.record(synced)
         self._stop_if_sigterm()
 
+    def _cast_vote(self) -> torch.Tensor:
+        """This rank's vote (Alg. 1 lines 8-11) and SIGTERM flag, all computed on the device (no host read): the
+        two floats the vote all-reduce sums."""
+        assert self.tracker is not None and self._vote is not None
+        delta, finite = self.tracker.update(self.flat.grad_sq_norm())
+        vote = self._vote
+        vote[0].copy_(delta >= self.delta)  # core.wants_sync
+        vote[1].fill_(self._sigterm_flag())
+        vote[2].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
+        return vote[:2]
+
     def _stop_if_sigterm(self) -> None:
-        assert self._vote is not None
-        if self._vote[1].item() > 0:  # some rank received SIGTERM before this step's vote: all stop here
+        if self._sigterm_votes > 0:  # some rank received SIGTERM before this step's vote: all stop here
             raise SIGTERMException()
 
     def _resolve_vote(self, handle: CommHandle) -> bool:
         handle.wait()
-        assert self._vote is not None
-        self.last_voters = int(self._vote[0].item())
+        assert self._vote is not None and self.tracker is not None
+        votes, self._sigterm_votes, finite = self._vote.tolist()  # the step's one host read
+        self.tracker.commit(finite > 0)
+        self.last_voters = int(votes)
         return self.last_voters > 0
 
     # ------------------------------------------------------------------ metrics and state
@@ -142,8 +169,7 @@ class SelSyncStrategy(SyncStrategy):
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         super().load_strategy_state(state)
-        self.last_delta = float(state["last_delta"])
-        if state.get("tracker") is not None:
-            tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
+        if state.get("tracker") is not None:  # (its "last_delta" is the strategy's too)
+            tracker = self._new_tracker()
             tracker.load_state_dict(state["tracker"])
             self.tracker = tracker

@@ -51,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_sync.comm import Communicator
+from lightning_sync.comm.buckets import DEFAULT_BUCKET_CAP_MB, check_bucket_cap_mb
 from lightning_sync.comm.ps import WorkCounter
 from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
@@ -84,6 +85,8 @@ class SyncSwitchStrategy(ASPStrategy):
             or a number > 0 (``1.0``: the paper's literal ASP). See :class:`ASPStrategy`.
         warmup_steps: pushes over which the ASP phase's update scale ramps linearly from 0 (0 = off).
         shard_size: largest parameter-server shard, in elements.
+        bucket_cap_mb: bucket size in MiB of the BSP phase's gradient all-reduce, overlapped with backward as
+            :class:`~lightning_sync.strategies.BSPStrategy`'s (a number > 0; ``None``: after backward, no overlap).
         Other arguments are :class:`~lightning_sync.strategies.base.SyncStrategy`'s.
     """
 
@@ -101,8 +104,10 @@ class SyncSwitchStrategy(ASPStrategy):
         update_scale: float | Literal["auto"] = "auto",
         warmup_steps: int = 0,
         shard_size: int = 1 << 22,
+        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
         **kwargs: Any,
     ) -> None:
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         if bsp_lr_scale is not None:
             bsp_lr_scale = check_real("bsp_lr_scale", bsp_lr_scale, 0.0, low_open=True)
         self.bsp_lr_scale = bsp_lr_scale
@@ -239,6 +244,12 @@ class SyncSwitchStrategy(ASPStrategy):
             for group, lr in zip(optimizer.param_groups, saved):
                 group["lr"] = lr
             self._measure()
+
+    def _overlap_grads(self) -> tuple[Communicator, str] | None:
+        # the protocol and the BSP group change between steps only (the callback acts at batch ends)
+        if self.protocol == "bsp" and not self._local_step:
+            return self.bsp_comm, "grads"
+        return None
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         if self.protocol == "bsp" and not self._local_step:
