@@ -2,10 +2,12 @@
 
     python benchmarks/diloco.py --sweep                              # DiLoCo's H (sync_every) vs DDP: accuracy
     python benchmarks/diloco.py --link 100mbit,1ms --target 0.95     # time to a validation accuracy, same link
+    python benchmarks/diloco.py --model wide --hidden 512 --seeds 0  # the same with a communication-bound MLP
 
 Same model (demo CNN: SGD lr 0.05, momentum 0.9, weight decay 1e-4 — DDP's configuration, which every strategy's
 inner optimizer keeps), data (digits, batch 32 per rank, 10 steps per epoch on 4 ranks) and seed for every row;
-validation after every epoch.
+validation after every epoch. ``--model wide`` trains ``WideMLP(hidden=--hidden)`` instead (wide fully connected
+layers on the same inputs: syncs cost far more than a step's compute).
 
 * ``--sweep``: DiLoCo with the paper's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9) at several H, and DDP:
   final test accuracy of the model each run hands back, best validation accuracy, averagings. This is how the
@@ -54,7 +56,7 @@ def emulated_link_ddp(link: str):
             self.bytes_sent = 0
             strategy = self
 
-            def hook(state: Any, bucket: Any) -> Any:
+            def hook(state, bucket):  # no annotations: DDP checks them (and this module's are strings)
                 tensor = bucket.buffer()
                 nbytes = allreduce_bytes(tensor.numel(), tensor.element_size(), world, rank, "gloo")
                 strategy.bytes_sent += nbytes
@@ -72,14 +74,16 @@ def emulated_link_ddp(link: str):
     return EmulatedLinkDDP
 
 
-def _worker(rank: int, out_dir: str, rows_spec: list[dict], epochs: int, seeds: list[int], target: float) -> None:
+def _worker(
+    rank: int, out_dir: str, rows_spec: list[dict], epochs: int, seeds: list[int], target: float, model_spec: dict
+) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
     import lightning_sync as ls
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
-    from lightning_sync.models import DigitsCNN
+    from lightning_sync.models import DigitsCNN, WideMLP
 
     class Clock(Callback):
         """Training seconds (validation excluded) and validation accuracy at every validation."""
@@ -116,8 +120,10 @@ def _worker(rank: int, out_dir: str, rows_spec: list[dict], epochs: int, seeds: 
             clock = Clock()
             kw = quiet_trainer_kwargs(accelerator="cpu", devices=WORLD)
             trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[clock], **kw)
-            model = DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
-            dm = DigitsDataModule(batch_size=32, seed=seed)
+            hp = dict(lr=0.05, momentum=0.9, weight_decay=1e-4)
+            wide = model_spec["model"] == "wide"
+            model = WideMLP(hidden=model_spec["hidden"], **hp) if wide else DigitsCNN(**hp)
+            dm = DigitsDataModule(batch_size=32, seed=seed, flatten=wide)
             trainer.fit(model, dm)
             reached = next(((t, step) for t, step, acc in clock.points if acc >= target), None)
             stats = getattr(strategy, "comm_stats", None)
@@ -175,17 +181,21 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.95, help="validation accuracy to reach")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--model", choices=["cnn", "wide"], default="cnn", help="DigitsCNN or WideMLP")
+    parser.add_argument("--hidden", type=int, default=512, help="WideMLP's width (--model wide)")
     args = parser.parse_args()
 
     from lightning_sync.launch import launch_local
 
     spec = sweep_rows(args.values) if args.sweep else target_rows(args.link, args.sync_every)
     with tempfile.TemporaryDirectory() as tmp:
-        launch_local(_worker, WORLD, tmp, spec, args.epochs, args.seeds, args.target)
+        model_spec = {"model": args.model, "hidden": args.hidden}
+        launch_local(_worker, WORLD, tmp, spec, args.epochs, args.seeds, args.target, model_spec)
         rows = json.loads(Path(tmp, "rank0.json").read_text())
 
     what = "no link emulation" if args.sweep else f"emulated link {args.link} on every row"
-    print(f"\n## DiLoCo: demo CNN, digits, {WORLD} ranks, {args.epochs} epochs, seeds {args.seeds}, {what}")
+    model = "demo CNN" if args.model == "cnn" else f"WideMLP(hidden={args.hidden})"
+    print(f"\n## DiLoCo: {model}, digits, {WORLD} ranks, {args.epochs} epochs, seeds {args.seeds}, {what}")
     print(
         f"| row | seed | steps | averagings | bytes sent / rank | train s | best val acc | train s to {args.target} "
         f"| step reached | test acc |"

@@ -24,7 +24,7 @@ STREAM = dict(sync_every=4, fragments=2, delay=1, alpha=0.5)
 def _suite(rank: int, out_dir: str) -> None:
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_sync import ADPSGDStrategy, DiLoCoStrategy, LocalSGDStrategy
+    from lightning_sync import ADPSGDStrategy, DiLoCoStrategy, FedAvgStrategy, LocalSGDStrategy, SelSyncStrategy
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
@@ -69,11 +69,14 @@ def _suite(rank: int, out_dir: str) -> None:
     fit("plain_diloco", LocalSGDAfterEveryH(period=H, outer_optimizer=NESTEROV), **f64)
     tr = fit("diloco", DiLoCoStrategy(sync_every=H, fragments=1, delay=0, verify_sync=True), **f64)
     res["diloco"] = {"outer_steps": tr.strategy.outer.steps, "verify_ops": tr.strategy.comm_stats.ops["verify"]}
-    # 3. the shared path on LocalSGDStrategy and ADPSGDStrategy: outer lr 1 reproduces plain averaging bit for bit
-    #    (ADPSGD's S_k is measured against the mean before the outer step, so its periods are the same too)
+    # 3. the shared path on the periodic family: outer lr 1 reproduces plain averaging bit for bit (ADPSGD's S_k is
+    #    measured against the mean before the outer step, so its periods are the same too; FedAvg averages one of the
+    #    two ranks per round, SelSync with delta 0 syncs every step)
     for name, make in {
         "localsgd": lambda outer: LocalSGDStrategy(period=3, outer_optimizer=outer),
         "adpsgd": lambda outer: ADPSGDStrategy(p_init=2, warmup_epochs=0, sample_fraction=0.2, outer_optimizer=outer),
+        "fedavg": lambda outer: FedAvgStrategy(fraction=0.5, syncs_per_epoch=8, outer_optimizer=outer),
+        "selsync": lambda outer: SelSyncStrategy(delta=0.0, outer_optimizer=outer),
     }.items():
         for suffix, outer in (("plain", None), ("outer_lr1", LR1)):
             tr = fit(f"{name}_{suffix}", make(outer), max_steps=20)
@@ -150,7 +153,7 @@ def test_one_fragment_without_delay_equals_plain_diloco(suite):
     assert max_diff(_load(out, "diloco", 0), _load(out, "diloco", 1)) == 0.0
 
 
-@pytest.mark.parametrize("name", ["localsgd", "adpsgd"])
+@pytest.mark.parametrize("name", ["localsgd", "adpsgd", "fedavg", "selsync"])
 def test_outer_lr_one_on_a_periodic_strategy_reproduces_plain_averaging_bit_for_bit(suite, name):
     out, res = suite
     assert res[0][f"{name}_outer_lr1"] == res[0][f"{name}_plain"]  # same syncs (ADPSGD: same S_k, C2, periods)
