@@ -3,10 +3,11 @@
 Two CPU processes (torchrun-style, ``tests/launch.py``) run, for each strategy, an uninterrupted fit and a fit resumed
 from a checkpoint of the same run, then the tests compare them:
 
-* **Deterministic strategies** (BSP, SelSync, local SGD, FedAvg, ADPSGD, OSP): checkpoint mid-epoch (in the second
-  epoch, after every schedule has left its warm-up), resume, and the end is *exact*: bit-identical parameters on
-  every rank, identical per-rank method state (counters, EWMA, period, C2, ICS schedule...) and identical communication
-  totals. All run with ``verify_sync=True``, so every sync of both runs also checked that the ranks agree.
+* **Deterministic strategies** (BSP, SelSync, local SGD, FedAvg, ADPSGD, OSP, DiLoCo): checkpoint mid-epoch (in the
+  second epoch, after every schedule has left its warm-up), resume, and the end is *exact*: bit-identical parameters on
+  every rank, identical per-rank method state (counters, EWMA, period, C2, ICS schedule, DiLoCo's global parameters,
+  outer momentum and fragment in flight...) and identical communication totals. All run with ``verify_sync=True``, so
+  every sync of both runs also checked that the ranks agree.
 * **Asynchronous strategies** (ASP, SSP, ALADDIN): ranks only meet at epoch ends, so checkpoints are taken there
   (step-based checkpointing is rejected at setup). What must hold is that the state is restored *exactly* — server
   parameters and clocks, each rank's replica, counters, ALADDIN's mailbox — with nothing in flight when it was
@@ -35,7 +36,7 @@ WORLD = 2
 EPOCHS = 3
 BATCH = 64
 TIMEOUT = timedelta(seconds=120)
-EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp")
+EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco")
 ASYNC = ("asp", "ssp", "aladdin")
 #: state entries that are wall-clock measurements, not trajectory (per-tag blocked seconds, measured times)
 TIME_KEYS = frozenset({"blocked_seconds", "blocked_s", "seconds", "ics_wait_s", "overlap"})
@@ -56,6 +57,8 @@ def _strategy(name: str):
         "fedavg": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **sync),
         "adpsgd": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **sync),
         "osp": lambda: S.OSPStrategy(bandwidth="100gbit", **sync),  # U_max at its cap: no measured time in the schedule
+        # streaming, with a fragment in flight at the checkpoint (launched after step 14, applied after step 16)
+        "diloco": lambda: S.DiLoCoStrategy(sync_every=6, fragments=2, delay=2, alpha=0.5, **sync),
         "asp": lambda: S.ASPStrategy(**common),
         "ssp": lambda: S.SSPStrategy(staleness=2, **common),
         "aladdin": lambda: S.ALADDINStrategy(period=2, **common),
@@ -253,6 +256,20 @@ def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninter
         start, part = _load(out / f"{name}_start_rank{rank}.pt"), _part(out, name, f"step={at}.ckpt", rank)
         assert _strip(start["state"]) == _strip(part["strategy_state"])
     assert full["metrics"]["bytes_sent"] > 0
+
+
+def test_diloco_checkpoint_holds_the_fragment_in_flight_and_the_outer_state(suite):
+    """The resume case above covers a Streaming DiLoCo checkpoint taken while a fragment's all-reduce is in flight:
+    the part holds its completed result (applied two steps later in both runs), the global parameters and the
+    outer momentum."""
+    out, res = suite
+    at = res[0]["diloco_ckpt_step"]
+    for rank in range(WORLD):
+        state = _part(out, "diloco", f"step={at}.ckpt", rank)["strategy_state"]
+        pending = state["diloco"]["pending"]
+        assert pending is not None and pending["step"] == at - 1 and pending["fragment"] == 0
+        outer = state["outer"]["optimizer"]
+        assert outer["steps"] > 0 and float(outer["momentum_buffers"][0].abs().max()) > 0
 
 
 @pytest.mark.parametrize("name", ASYNC)

@@ -42,6 +42,7 @@ from lightning_sync import (
     ALADDINStrategy,
     ASPStrategy,
     BSPStrategy,
+    DiLoCoStrategy,
     FedAvgStrategy,
     LocalSGDStrategy,
     OSPStrategy,
@@ -52,6 +53,7 @@ from lightning_sync import (
 )
 from lightning_sync.callbacks import EpochPrinter, SelDP, StragglerInjection, SyncStats, SyncSwitch
 from lightning_sync.comm import LinkModel
+from lightning_sync.core.outer import DILOCO_OUTER
 from lightning_sync.core.switch import SwitchSchedule
 from lightning_sync.core.validation import MAX_INT64
 from lightning_sync.data import DigitsDataModule
@@ -59,6 +61,7 @@ from lightning_sync.launch import quiet_trainer_kwargs
 from lightning_sync.models import DigitsCNN
 from lightning_sync.strategies import STRATEGIES
 from lightning_sync.strategies.base import START_METHODS
+from lightning_sync.strategies.diloco import DEFAULT_SYNC_EVERY
 
 HYPOTHESIS = settings(
     max_examples=25,
@@ -261,6 +264,55 @@ _BAD_SCHEDULES = st.one_of(
 )
 
 
+def _outer_specs() -> Any:
+    """Valid outer optimizer specs: SGD with lr > 0, momentum in [0, 1), Nesterov only with momentum."""
+    lr = st.floats(0.0, 1e6, exclude_min=True, allow_nan=False) | st.integers(1, 10**6)
+    momentum = st.floats(0.0, 1.0, exclude_max=True, allow_nan=False)
+
+    def spec(lr: float, momentum: float, nesterov: bool, keys: int) -> dict:
+        out: dict[str, Any] = {"name": "sgd", "lr": lr}
+        if keys >= 1 or momentum > 0:
+            out["momentum"] = momentum
+        if keys >= 2 or nesterov:
+            out["nesterov"] = nesterov and momentum > 0
+        return out
+
+    return st.builds(spec, lr, momentum, st.booleans(), st.integers(0, 2))
+
+
+_OUTER = Arg(
+    allowed="None (plain averaging) or a mapping {'name': 'sgd', 'lr': > 0, 'momentum': [0, 1) (0), 'nesterov': bool "
+    "(False; needs momentum > 0)}",
+    valid=st.none() | _outer_specs(),
+    invalid=st.one_of(
+        st.integers(),
+        _ANY_FLOAT,
+        st.booleans(),
+        _TEXT,
+        _JUNK,
+        st.builds(lambda lr: {"name": "sgd", "lr": lr}, st.floats(max_value=0.0) | st.sampled_from([INF, True, "1"])),
+        st.builds(
+            lambda m: {"name": "sgd", "lr": 0.7, "momentum": m},
+            st.floats(min_value=1.0) | st.floats(max_value=0.0, exclude_max=True) | st.just(math.nan),
+        ),
+        st.builds(lambda n: {"name": n, "lr": 0.7}, _TEXT | st.sampled_from(["SGD", "adam", "nesterov", None, 1])),
+        st.builds(lambda k: {"name": "sgd", "lr": 0.7, k: 0.1}, st.sampled_from(["dampening", "weight_decay", "mu"])),
+        st.sampled_from([{"name": "sgd"}, {"lr": 0.7}, {"name": "sgd", "lr": 0.7, "nesterov": True}]),
+    ),
+    message=r"outer_optimizer(\['\w+'\])? (must|has unknown keys|= True needs)",
+    edges_valid=(None, {"name": "sgd", "lr": 1e-300}, {"name": "sgd", "lr": 1, "momentum": 0.0}, DILOCO_OUTER),
+    edges_invalid=(
+        {"name": "sgd", "lr": 0.0},
+        {"name": "sgd", "lr": 0.7, "momentum": 1.0},
+        {"name": "sgd", "lr": 0.7, "nesterov": True},
+        {"name": "SGD", "lr": 0.7},
+        {},
+        "sgd",
+    ),
+)
+_DIVISORS = tuple(d for d in range(1, DEFAULT_SYNC_EVERY + 1) if DEFAULT_SYNC_EVERY % d == 0)
+
+
 def _ranks_with_a_bad_entry() -> Any:
     return st.tuples(st.lists(st.integers(0, 8), max_size=3), st.sampled_from([-1, True, 1.5, "0", None])).map(
         lambda t: t[0] + [t[1]]
@@ -453,12 +505,16 @@ SPECS: dict[type, dict[str, Arg]] = {
         aggregation=choice_arg(
             "aggregation", ("parameters", "gradients"), r"aggregation must be 'parameters' or 'gradients'"
         ),
+        outer_optimizer=Arg(
+            **{**_OUTER.__dict__, "note": "with aggregation='gradients' (not the default) only None: refused there"}
+        ),
     ),
     LocalSGDStrategy: _with(
         base_specs(),
         period=int_arg("period", 1),
         warmup_steps=int_arg("warmup_steps", 0),
         average_at_end=bool_arg("average_at_end"),
+        outer_optimizer=_OUTER,
     ),
     FedAvgStrategy: _with(
         base_specs(),
@@ -468,6 +524,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         ),
         seed=int_arg("seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         average_at_end=bool_arg("average_at_end"),
+        outer_optimizer=_OUTER,
     ),
     ADPSGDStrategy: _with(
         base_specs(),
@@ -514,6 +571,28 @@ SPECS: dict[type, dict[str, Arg]] = {
             edges_valid=(4, 10**6),
             edges_invalid=(3, 0, 4.0, True),
         ),
+        average_at_end=bool_arg("average_at_end"),
+        outer_optimizer=_OUTER,
+    ),
+    DiLoCoStrategy: _with(
+        base_specs(),
+        sync_every=int_arg("sync_every", 1),
+        outer_optimizer=_OUTER,
+        fragments=Arg(
+            allowed=f"integer in [1, sync_every] dividing sync_every (default sync_every {DEFAULT_SYNC_EVERY})",
+            valid=st.sampled_from(_DIVISORS),
+            invalid=st.one_of(
+                st.integers().filter(lambda k: k not in _DIVISORS), _ANY_FLOAT, st.booleans(), _TEXT, _JUNK, st.none()
+            ),
+            message=rf"fragments must (be an integer in \[1, {DEFAULT_SYNC_EVERY}\]|divide sync_every)",
+            edges_valid=(1, DEFAULT_SYNC_EVERY),
+            edges_invalid=(0, DEFAULT_SYNC_EVERY + 1, 3, 2.0, True),
+            note="upper bound and divisibility: sync_every's",
+        ),
+        delay=int_arg(
+            "delay", 0, DEFAULT_SYNC_EVERY - 1, note="upper bound: sync_every // fragments - 1 (default fragments 1)"
+        ),
+        alpha=real_arg("alpha", 0.0, 1.0),
         average_at_end=bool_arg("average_at_end"),
     ),
     OSPStrategy: _with(
@@ -834,6 +913,7 @@ MATRIX: dict[type, dict[str, Cell]] = {
     SSPStrategy: _row(step_checkpoint=_STEP_CHECKPOINT),
     ALADDINStrategy: _row(step_checkpoint=_STEP_CHECKPOINT),
     SyncSwitchStrategy: _row(accumulate=_ACCUM, step_checkpoint=_STEP_CHECKPOINT),
+    DiLoCoStrategy: _row(),
 }
 
 
@@ -893,7 +973,8 @@ _EPOCHS = 2
 
 
 def _strategy(cls: type, **kw: Any) -> SyncStrategy:
-    own = {FedAvgStrategy: {"syncs_per_epoch": 2}, LocalSGDStrategy: {"period": 2}}.get(cls, {})
+    own = {FedAvgStrategy: {"syncs_per_epoch": 2}, LocalSGDStrategy: {"period": 2}, DiLoCoStrategy: {"sync_every": 2}}
+    own = own.get(cls, {})
     return cls(timeout=timedelta(seconds=60), **own, **kw)
 
 

@@ -10,6 +10,7 @@ from lightning_sync.strategies.aladdin import ALADDINStrategy
 from lightning_sync.strategies.asp import ASPStrategy
 from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.bsp import BSPStrategy
+from lightning_sync.strategies.diloco import DiLoCoStrategy
 from lightning_sync.strategies.fedavg import FedAvgStrategy
 from lightning_sync.strategies.localsgd import LocalSGDStrategy
 from lightning_sync.strategies.osp import OSPStrategy
@@ -29,6 +30,7 @@ STRATEGIES: tuple[type[SyncStrategy], ...] = (
     SSPStrategy,
     ALADDINStrategy,
     SyncSwitchStrategy,
+    DiLoCoStrategy,
 )
 
 for _cls in STRATEGIES:
@@ -39,6 +41,7 @@ __all__ = [
     "ALADDINStrategy",
     "ASPStrategy",
     "BSPStrategy",
+    "DiLoCoStrategy",
     "FedAvgStrategy",
     "LocalSGDStrategy",
     "OSPStrategy",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import ADPSGDController, mean_squared_deviation
 from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
@@ -33,7 +35,11 @@ class ADPSGDStrategy(SyncStrategy):
     SIGTERM is checked at averaging steps only.
 
     With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
-    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica.
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
+    (with an outer optimizer: its step on the local steps since the last averaging, skipped when there were none).
+
+    With an outer optimizer, :math:`S_k` is still the replicas' spread around their mean (measured before the outer
+    step), so the period adapts to the same statistic.
 
     Args:
         p_init: initial period after warm-up (>= 1, <= max_period).
@@ -41,6 +47,12 @@ class ADPSGDStrategy(SyncStrategy):
         sample_fraction: fraction of total training steps used to sample :math:`C_2`, in [0, 1).
         low, high: thresholds of Alg. 2 lines 16 and 18, ``0 < low < high``.
         max_period: upper bound of the period (>= 1).
+        outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
+            ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
+            of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
+            optimizer steps :math:`\theta_{global}`, every rank takes it (see
+            :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
+        average_at_end: average once more when training ends (a bool).
     """
 
     strategy_name = "adpsgd"
@@ -57,6 +69,7 @@ class ADPSGDStrategy(SyncStrategy):
         high: float = 1.3,
         max_period: int = 64,
         average_at_end: bool = True,
+        outer_optimizer: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_int("warmup_epochs", warmup_epochs, 0)
@@ -66,6 +79,7 @@ class ADPSGDStrategy(SyncStrategy):
         if not isinstance(average_at_end, bool):
             raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
         self.average_at_end = average_at_end
+        self.outer_config = parse_outer_optimizer(outer_optimizer)
         super().__init__(**kwargs)
         self.p_init = p_init
         self.warmup_epochs = warmup_epochs
@@ -109,17 +123,21 @@ class ADPSGDStrategy(SyncStrategy):
         self.step_counter.record(synced)
 
     def _average_and_measure(self) -> float:
-        """Average, then :math:`S_k` (Alg. 2 lines 10-11) from one scalar all-reduce of squared deviations."""
+        """Average, then :math:`S_k` (Alg. 2 lines 10-11) from one scalar all-reduce of squared deviations from the
+        mean (measured before an outer optimizer's step, if any)."""
         groups = [g for g in self.flat.groups if g.param_numel]
         if self._scratch is None:
             self._scratch = [torch.empty_like(g.state[: g.param_numel]) for g in groups]
         for buf, g in zip(self._scratch, groups):
             buf.copy_(g.state[: g.param_numel])
-        self.average_state(tag="params")
         local = torch.zeros(1, dtype=torch.float64, device=self._comm_device())
-        for buf, g in zip(self._scratch, groups):
-            buf.sub_(g.state[: g.param_numel])
-            local += torch.dot(buf, buf).double().to(local.device)
+
+        def deviation_from_the_mean() -> None:
+            for buf, g in zip(self._scratch, groups):
+                buf.sub_(g.state[: g.param_numel])
+                local.add_(torch.dot(buf, buf).double().to(local.device))
+
+        self.average_state(tag="params", on_mean=deviation_from_the_mean)
         self.comm.all_reduce(local, op="sum", tag="stat")
         return mean_squared_deviation(float(local.item()), self.world_size)
 

@@ -46,6 +46,7 @@ from lightning_sync.comm import (
 )
 from lightning_sync.comm.buckets import GradBuckets
 from lightning_sync.core import StepCounter
+from lightning_sync.core.outer import OuterOptimizer, OuterSGD
 from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
 from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
@@ -115,6 +116,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     bucket_cap_mb: float | None = None
     #: DDP's ``find_unused_parameters`` for the overlapped all-reduce (see :mod:`lightning_sync.comm.buckets`)
     find_unused_parameters: bool = False
+    #: The outer optimizer of parameter averaging (DiLoCo), parsed by the strategies that take an ``outer_optimizer``
+    #: argument (``core.outer.parse_outer_optimizer``); None: plain averaging. See :meth:`average_state`.
+    outer_config: OuterSGD | None = None
 
     def __init__(
         self,
@@ -167,6 +171,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self._restored_comm: dict[str, Any] | None = None
         self._verify_after_update: Communicator | None = None  # verify_sync: check replicas after this update
         self._grad_buckets: GradBuckets | None = None
+        #: with :attr:`outer_config`: the global parameters and outer momentum (built when the flat state exists)
+        self.outer: OuterOptimizer | None = None
+        self._updates_since_average = 0  # optimizer updates since the last parameter averaging (outer step)
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -227,6 +234,8 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             # start identical; a resume of per-rank replicas keeps each rank's own (loaded before setup)
             for tensor in self._flat.state_tensors():
                 self.comm.broadcast(tensor, src=0, tag="setup")
+        if self.outer_config is not None:  # the global parameters start as the (identical) replicas; or restored
+            self.outer = OuterOptimizer(self.outer_config, [g.state[: g.param_numel] for g in self._flat.groups])
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
             self._restored_state = None
@@ -273,6 +282,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        self._updates_since_average += 1
         if self._verify_after_update is not None:
             comm, self._verify_after_update = self._verify_after_update, None
             self._verify(self.flat.state_tensors(), "parameters and buffers after the update", comm)
@@ -319,21 +329,39 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
 
     def on_train_end(self) -> None:
         self._restore_sigterm_check()
-        if getattr(self, "average_at_end", False) and self._flat is not None and self.world_size > 1:
-            # hand back the global model (the average of the replicas, w = W 1/n), not rank 0's replica
-            self.average_state(tag="final")
+        if getattr(self, "average_at_end", False) and self._flat is not None:
+            self._average_at_end()
         super().on_train_end()
+
+    def _average_at_end(self) -> None:
+        r"""``average_at_end``: hand back the global model, not rank 0's replica. Without an outer optimizer, the
+        average of the replicas (w = W 1/n). With one, the outer step on the inner steps since the last one — the
+        global model DiLoCo would hold after one more sync; none when the last step synced (the replicas then hold
+        :math:`\theta_{global}`, and a step on a zero pseudo-gradient would still move it by the momentum)."""
+        if self.outer is None:
+            if self.world_size > 1:
+                self.average_state(tag="final")
+        elif self._updates_since_average > 0:
+            self.average_state(tag="final")
 
     def _after_update(self, optimizer: Optimizer) -> None:
         """The optimizer has applied this step's update."""
 
     # ------------------------------------------------------------------ sync helpers
-    def average_state(self, tag: str = "params", participants: list[int] | None = None) -> None:
-        """Average parameters and floating buffers over all ranks: one all-reduce per flat buffer.
+    def average_state(
+        self, tag: str = "params", participants: list[int] | None = None, on_mean: Callable[[], None] | None = None
+    ) -> None:
+        r"""Average parameters and floating buffers over all ranks: one all-reduce per flat buffer.
 
         With ``participants`` (a rank list, identical on every rank), only those ranks' values are averaged and
         every rank takes the result: the others contribute zeros to the same all-reduce (so the bytes are those of
         a full all-reduce) and the sum is divided by ``len(participants)``.
+
+        With an outer optimizer (:attr:`outer_config`, DiLoCo's Algorithm 1 outer step) the parameters' mean then
+        goes through :class:`~lightning_sync.core.outer.OuterOptimizer`: :math:`\Delta = \theta_{global} -
+        \text{mean}`, an outer SGD step on :math:`\theta_{global}`, and every rank takes the new
+        :math:`\theta_{global}`. Floating buffers (BatchNorm statistics) keep the plain mean. ``on_mean`` is called
+        while the flat buffers hold the mean, before that step (ADPSGD measures the replicas' spread there).
         """
         tensors = self.flat.state_tensors()
         if participants is None or len(participants) == self.world_size:
@@ -347,6 +375,13 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             self.comm.all_reduce_many(tensors, op="sum", tag=tag)
             for t in tensors:
                 t.div_(len(participants))
+        if on_mean is not None:
+            on_mean()
+        if self.outer is not None:
+            for index, g in enumerate(self.flat.groups):
+                if g.param_numel:
+                    self.outer.step(g.state[: g.param_numel], index)
+            self._updates_since_average = 0
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
 
@@ -418,6 +453,11 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         state: dict[str, Any] = {"comm": self.comm_stats.state_dict(), "steps": self.step_counter.state_dict()}
         if self.injector is not None:
             state["injector"] = self.injector.state_dict()
+        if self.outer is not None:
+            state["outer"] = {
+                "optimizer": self.outer.state_dict(),
+                "updates_since_average": self._updates_since_average,
+            }
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -426,6 +466,16 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self.step_counter.load_state_dict(state["steps"])
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
+        saved_outer = state.get("outer")
+        if (saved_outer is None) != (self.outer_config is None):
+            raise ValueError(
+                f"the checkpoint was written {'without' if saved_outer is None else 'with'} an outer optimizer and "
+                f"this run has outer_optimizer={None if self.outer_config is None else self.outer_config.spec()}: "
+                "resume with the outer_optimizer the checkpoint was written with"
+            )
+        if self.outer is not None and saved_outer is not None:
+            self.outer.load_state_dict(saved_outer["optimizer"])
+            self._updates_since_average = int(saved_outer["updates_since_average"])
 
     # ------------------------------------------------------------------ data
     def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:

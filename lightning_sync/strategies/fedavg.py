@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from torch.optim import Optimizer
 
+from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import fedavg_participants, fedavg_sync_positions
 from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
@@ -24,12 +26,23 @@ class FedAvgStrategy(SyncStrategy):
     ``round(j * steps_per_epoch / x)`` for ``j = 1..x`` (the last one ends the epoch).
 
     With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
-    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica.
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
+    (with an outer optimizer: its step on the local steps since the last round, over all ranks; skipped when there
+    were none).
+
+    With an outer optimizer the mean of the round's participants gives the pseudo-gradient: outer SGD with momentum
+    is FedAvgM / FedOpt's server optimizer (Reddi et al. 2021), the family DiLoCo belongs to.
 
     Args:
         fraction: :math:`C \in (0, 1]`.
         syncs_per_epoch: :math:`x \ge 1`, at most the number of training batches per epoch.
         seed: seed of the participant draw (>= 0).
+        outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
+            ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
+            of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
+            optimizer steps :math:`\theta_{global}`, every rank takes it (see
+            :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
+        average_at_end: average once more when training ends (a bool).
     """
 
     strategy_name = "fedavg"
@@ -43,9 +56,11 @@ class FedAvgStrategy(SyncStrategy):
         syncs_per_epoch: int = 4,
         seed: int = 0,
         average_at_end: bool = True,
+        outer_optimizer: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.fraction = check_real("fraction", fraction, 0.0, 1.0, low_open=True)
+        self.outer_config = parse_outer_optimizer(outer_optimizer)
         self.syncs_per_epoch = check_int("syncs_per_epoch", syncs_per_epoch, 1)
         self.seed = check_int("seed", seed, 0)
         if not isinstance(average_at_end, bool):

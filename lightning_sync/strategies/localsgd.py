@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.optim import Optimizer
 
+from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import ConstantPeriod
 from lightning_sync.core.validation import check_int
 from lightning_sync.strategies.base import SyncStrategy
@@ -32,20 +34,35 @@ class LocalSGDStrategy(SyncStrategy):
     free of collectives), so with a long period a signal is acted on at the next averaging.
 
     With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
-    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica.
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
+    (with an outer optimizer: its step on the local steps since the last averaging, skipped when there were none).
 
     Args:
         period: averaging period :math:`p \ge 1` in optimizer steps.
         warmup_steps: steps at the start that average every step (>= 0).
+        outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
+            ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
+            of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
+            optimizer steps :math:`\theta_{global}`, every rank takes it (see
+            :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
+        average_at_end: average once more when training ends (a bool).
     """
 
     strategy_name = "localsgd"
     strategy_description = "Local SGD (CPSGD): average parameters every `period` steps"
     carries_sigterm = True
 
-    def __init__(self, period: int = 8, warmup_steps: int = 0, average_at_end: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        period: int = 8,
+        warmup_steps: int = 0,
+        average_at_end: bool = True,
+        outer_optimizer: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.outer_config = parse_outer_optimizer(outer_optimizer)
         if not isinstance(average_at_end, bool):
             raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
         self.average_at_end = average_at_end

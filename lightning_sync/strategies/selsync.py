@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -10,6 +11,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
 from lightning_sync.core import DeviceGradientChangeTracker
+from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.validation import MAX_INT64, check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
 
@@ -54,6 +56,10 @@ class SelSyncStrategy(SyncStrategy):
         window: EWMA window in steps (paper: 25), an integer in [1, 2**63 - 1].
         smoothing: EWMA factor in (0, 1]; ``None`` uses the paper's :math:`N/100` for world size N (capped at 1).
         aggregation: ``"parameters"`` (the paper's recommendation) or ``"gradients"``.
+        outer_optimizer: ``None`` (plain averaging) or, with ``aggregation="parameters"``, an outer optimizer spec
+            such as ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): each sync's mean
+            of the replicas gives the pseudo-gradient, the outer optimizer steps the global parameters and every rank
+            takes them (see :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`).
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
     """
 
@@ -67,6 +73,7 @@ class SelSyncStrategy(SyncStrategy):
         window: int = 25,
         smoothing: float | None = None,
         aggregation: Aggregation = "parameters",
+        outer_optimizer: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_real("delta", delta, 0.0, allow_inf=True)
@@ -75,6 +82,14 @@ class SelSyncStrategy(SyncStrategy):
             check_real("smoothing", smoothing, 0.0, 1.0, low_open=True)
         if aggregation not in ("parameters", "gradients"):
             raise ValueError(f"aggregation must be 'parameters' or 'gradients', got {aggregation!r}")
+        self.outer_config = parse_outer_optimizer(outer_optimizer)
+        if self.outer_config is not None and aggregation == "gradients":
+            raise ValueError(
+                "outer_optimizer must be None with aggregation='gradients': the outer optimizer steps on the "
+                "pseudo-gradient of a parameter averaging (the global parameters minus the replicas' mean), and "
+                "gradient aggregation averages gradients before the update and never averages parameters. Use "
+                "aggregation='parameters' with an outer optimizer."
+            )
         super().__init__(**kwargs)
         self.delta = float(delta)
         self.window = window

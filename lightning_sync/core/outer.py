@@ -1,0 +1,213 @@
+r"""DiLoCo's outer optimizer for parameter averaging (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models", arXiv 2311.08105, Algorithm 1).
+
+Periodic methods average the replicas and every rank takes the mean. DiLoCo treats the round's change as a
+gradient instead: with :math:`\theta^{(t-1)}` the global parameters every replica started the round from and
+:math:`\theta_i^{(t)}` replica :math:`i`'s parameters after its inner steps,
+
+.. math::
+
+    \Delta^{(t)} = \theta^{(t-1)} - \frac{1}{N}\sum_{i=1}^N \theta_i^{(t)}
+    \qquad \text{(Algorithm 1's outer gradient)}
+
+and an outer optimizer steps :math:`\theta^{(t)} = \mathrm{OuterOpt}(\theta^{(t-1)}, \Delta^{(t)})` (the outer
+step), which every replica takes. The paper's outer optimizer is SGD with Nesterov momentum, lr 0.7, momentum
+0.9; outer lr 1 without momentum is plain averaging, :math:`\theta^{(t)} = \theta^{(t-1)} - \Delta^{(t)} =
+\text{mean}`.
+
+Here the mean comes from the strategies' all-reduce of the flat parameter buffer (one collective, as for plain
+averaging); :class:`OuterOptimizer` keeps :math:`\theta^{(t-1)}` and the momentum in persistent flat buffers of the
+same layout, so a sync allocates nothing, and steps any contiguous range of them (Streaming DiLoCo's fragments).
+No Lightning, no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_sync.core.validation import check_bool, check_real
+
+__all__ = ["DILOCO_OUTER", "OuterOptimizer", "OuterSGD", "parse_outer_optimizer"]
+
+#: the keys an outer optimizer spec may hold (``name`` and ``lr`` are required)
+SPEC_KEYS = ("name", "lr", "momentum", "nesterov")
+
+
+@dataclass(frozen=True)
+class OuterSGD:
+    r"""Outer SGD as ``torch.optim.SGD`` defines it (no dampening, no weight decay), on the outer gradient
+    :math:`\Delta`:
+
+    .. math::
+
+        b \leftarrow \mu b + \Delta, \qquad
+        d = \begin{cases} \Delta + \mu b & \text{Nesterov} \\ b & \text{momentum } \mu > 0 \\ \Delta & \mu = 0
+            \end{cases}, \qquad
+        \theta \leftarrow \theta - \eta\, d
+
+    with :math:`b` starting at 0 (so the first step's :math:`b = \Delta`, as ``torch.optim.SGD`` initialises its
+    buffer). Use :func:`parse_outer_optimizer` to build one from a user's spec.
+    """
+
+    lr: float
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def spec(self) -> dict[str, Any]:
+        """The dict form :func:`parse_outer_optimizer` accepts (and checkpoints record)."""
+        return {"name": "sgd", **asdict(self)}
+
+
+#: DiLoCo's outer optimizer (the paper's: SGD, Nesterov momentum 0.9, lr 0.7), as a spec
+DILOCO_OUTER: Mapping[str, Any] = MappingProxyType({"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True})
+
+
+def parse_outer_optimizer(spec: Any, argument: str = "outer_optimizer") -> OuterSGD | None:
+    """``None`` (plain averaging) or an :class:`OuterSGD` from a mapping such as ``{"name": "sgd", "lr": 0.7,
+    "momentum": 0.9, "nesterov": True}``.
+
+    ``name`` must be ``"sgd"``, ``lr`` a finite number > 0, ``momentum`` (default 0) in [0, 1), ``nesterov``
+    (default False) a bool, and Nesterov needs momentum > 0 (as ``torch.optim.SGD``). Anything else raises
+    ``ValueError`` naming ``argument`` and the key with its allowed range.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, OuterSGD):
+        return spec
+    example = "{'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}"
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{argument} must be None (plain averaging) or a mapping such as {example}, got {spec!r}")
+    unknown = [k for k in spec if k not in SPEC_KEYS]
+    if unknown:
+        raise ValueError(
+            f"{argument} has unknown keys {unknown!r}: the allowed keys are {', '.join(SPEC_KEYS)} (e.g. {example})"
+        )
+    for key in ("name", "lr"):
+        if key not in spec:
+            raise ValueError(f"{argument} must give {key!r} (e.g. {example}), got {dict(spec)!r}")
+    if spec["name"] != "sgd" or not isinstance(spec["name"], str):
+        raise ValueError(
+            f"{argument}['name'] must be 'sgd' (outer SGD with optional Nesterov momentum, as DiLoCo), "
+            f"got {spec['name']!r}"
+        )
+    lr = check_real(f"{argument}['lr']", spec["lr"], 0.0, math.inf, low_open=True)
+    momentum = check_real(f"{argument}['momentum']", spec.get("momentum", 0.0), 0.0, 1.0, high_open=True)
+    nesterov = check_bool(f"{argument}['nesterov']", spec.get("nesterov", False))
+    if nesterov and momentum == 0.0:
+        raise ValueError(
+            f"{argument}['nesterov'] = True needs {argument}['momentum'] in (0.0, 1.0), got momentum {momentum!r}"
+        )
+    return OuterSGD(lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+class OuterOptimizer:
+    r"""The global parameters :math:`\theta^{(t-1)}` and the outer SGD state, over flat parameter buffers.
+
+    Built once from the replicas' (identical) parameters — one flat tensor per buffer group, e.g. the parameter
+    regions of :class:`~lightning_sync.comm.FlatState`'s groups — it holds a persistent copy of them and, with
+    momentum, one zeroed momentum buffer of the same size: two model-sized buffers, allocated here and never per sync.
+
+    :meth:`step` takes the all-reduced mean of the replicas over a contiguous range of one buffer and turns it, in
+    place, into the new global parameters :math:`\theta^{(t)}` (which every replica then takes); ranges let Streaming
+    DiLoCo step one fragment at a time. The arithmetic is ``torch.optim.SGD``'s, in its order of operations, so the
+    result is bit-identical to ``torch.optim.SGD(foreach=False)`` stepping :math:`\theta^{(t-1)}` with gradient
+    :math:`\Delta`. One exception, for exactness: with lr 1 and no momentum the step is
+    :math:`\theta^{(t-1)} - (\theta^{(t-1)} - \text{mean}) = \text{mean}`, taken as the mean itself rather than
+    through the rounding of :math:`\Delta` (so it reproduces plain averaging bit for bit).
+    """
+
+    def __init__(self, config: OuterSGD, params: Sequence[Tensor]) -> None:
+        if not isinstance(config, OuterSGD):
+            raise ValueError(f"config must be an OuterSGD (see parse_outer_optimizer), got {config!r}")
+        self.config = config
+        with torch.no_grad():
+            #: :math:`\theta^{(t-1)}`: the global parameters the replicas last took, one flat tensor per buffer
+            self.global_params: list[Tensor] = [p.detach().reshape(-1).clone() for p in params]
+            #: momentum buffers :math:`b` (empty without momentum)
+            self.momentum_buffers: list[Tensor] = (
+                [torch.zeros_like(g) for g in self.global_params] if config.momentum > 0 else []
+            )
+        #: outer steps taken (over any range)
+        self.steps = 0
+
+    @property
+    def is_averaging(self) -> bool:
+        """Whether the step is plain averaging (lr 1, no momentum)."""
+        return self.config.lr == 1.0 and self.config.momentum == 0.0
+
+    def reset(self, params: Sequence[Tensor]) -> None:
+        """Take ``params`` as the global parameters and zero the momentum (a fresh start from identical replicas)."""
+        with torch.no_grad():
+            for g, p in zip(self.global_params, params, strict=True):
+                g.copy_(p.reshape(-1))
+            for b in self.momentum_buffers:
+                b.zero_()
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, mean: Tensor, index: int = 0, start: int = 0) -> None:
+        r"""One outer step on ``global_params[index][start : start + mean.numel()]``.
+
+        ``mean`` (1-D, contiguous) holds the replicas' mean over that range and receives :math:`\theta^{(t)}`, which
+        is also stored as the new global parameters. DiLoCo's Algorithm 1, outer gradient and outer step:
+        :math:`\Delta = \theta^{(t-1)} - \text{mean}`, then :class:`OuterSGD`'s update.
+        """
+        n = mean.numel()
+        glob = self.global_params[index]
+        if not 0 <= start <= start + n <= glob.numel():
+            raise ValueError(f"range [{start}, {start + n}) is outside global_params[{index}] of {glob.numel()}")
+        theta = glob[start : start + n]
+        self.steps += 1
+        if self.is_averaging:
+            theta.copy_(mean)
+            return
+        c = self.config
+        delta = torch.sub(theta, mean, out=mean)  # Δ = θ_prev − mean, in mean's storage (no allocation)
+        if c.momentum > 0:
+            buf = self.momentum_buffers[index][start : start + n]
+            buf.mul_(c.momentum).add_(delta)
+            if c.nesterov:
+                delta.add_(buf, alpha=c.momentum)
+            else:
+                delta.copy_(buf)
+        theta.add_(delta, alpha=-c.lr)
+        mean.copy_(theta)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Copies (on the CPU) of the global parameters and momentum, with the configuration they belong to."""
+        return {
+            "config": self.config.spec(),
+            "global_params": [g.detach().to("cpu", copy=True) for g in self.global_params],
+            "momentum_buffers": [b.detach().to("cpu", copy=True) for b in self.momentum_buffers],
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into the existing buffers (in place). The configuration must be this
+        optimizer's and the buffers the same sizes (ValueError otherwise: resume with the same outer optimizer and
+        model)."""
+        saved = parse_outer_optimizer(state["config"], "the checkpoint's outer optimizer")
+        if saved != self.config:
+            raise ValueError(
+                f"the checkpoint's outer optimizer is {state['config']}; this run uses {self.config.spec()}: resume "
+                "with the same outer_optimizer"
+            )
+        for name in ("global_params", "momentum_buffers"):
+            mine, theirs = getattr(self, name), state[name]
+            if [t.numel() for t in mine] != [t.numel() for t in theirs]:
+                raise ValueError(
+                    f"the checkpoint's outer {name} have sizes {[t.numel() for t in theirs]}, this model's "
+                    f"{[t.numel() for t in mine]}: resume with the same model"
+                )
+            with torch.no_grad():
+                for dst, src in zip(mine, theirs):
+                    dst.copy_(src.reshape(-1))
+        self.steps = int(state["steps"])

@@ -1,0 +1,236 @@
+"""DiLoCo and Streaming DiLoCo, and the outer optimizer on the periodic strategies: 2 CPU processes (gloo),
+started once torchrun-style for the module (resume: tests/test_resume.py; the math: tests/test_outer.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from launch import run_suite
+from tolerance import assert_equal_in_exact_arithmetic, max_diff
+
+WORLD = 2
+K = 10  # steps of the equivalence runs: syncs after steps 2, 5, 8 (H = 3), and a final one after step 9
+H = 3
+NESTEROV = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+LR1 = {"name": "sgd", "lr": 1.0}
+STREAM_STEPS = 13
+STREAM = dict(sync_every=4, fragments=2, delay=1, alpha=0.5)
+
+
+def _suite(rank: int, out_dir: str) -> None:
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_sync import ADPSGDStrategy, DiLoCoStrategy, FedAvgStrategy, LocalSGDStrategy, SelSyncStrategy
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    out = Path(out_dir)
+    res: dict = {}
+
+    class LocalSGDAfterEveryH(LocalSGDStrategy):
+        """The reference: local SGD through the periodic strategies' averaging path (``average_state``, with or
+        without an outer optimizer), averaging after every ``period`` local steps (steps H-1, 2H-1, ...: DiLoCo's
+        schedule; LocalSGDStrategy itself follows CPSGD and averages after step 0 too)."""
+
+        def _after_update(self, optimizer):
+            synced = (self._step + 1) % self.period == 0
+            self._step += 1
+            if synced:
+                self.average_state(tag="params")
+            self.step_counter.record(synced)
+
+    def fit(name, strategy, max_steps=K, callbacks=(), **kw):
+        pl.seed_everything(0)
+        model = DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=strategy,
+            max_steps=max_steps,
+            limit_val_batches=0,
+            callbacks=list(callbacks),
+            **quiet_trainer_kwargs(**kw),
+        )
+        trainer.fit(model, DigitsDataModule(batch_size=16))
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{name}_rank{rank}.pt")
+        return trainer
+
+    f64 = {"precision": "64-true"}
+    # 1. outer lr 1 without momentum is plain averaging: DiLoCo equals local SGD averaging at the same steps
+    fit("localsgd_after_h", LocalSGDAfterEveryH(period=H), **f64)
+    tr = fit("diloco_lr1", DiLoCoStrategy(sync_every=H, outer_optimizer=LR1, verify_sync=True), **f64)
+    res["diloco_lr1"] = {"syncs": tr.strategy.step_counter.sync_steps, "final_ops": tr.strategy.comm_stats.ops["final"]}
+    # 2. K = 1, delay 0 is plain DiLoCo: the periodic strategies' averaging path with the paper's outer optimizer
+    fit("plain_diloco", LocalSGDAfterEveryH(period=H, outer_optimizer=NESTEROV), **f64)
+    tr = fit("diloco", DiLoCoStrategy(sync_every=H, fragments=1, delay=0, verify_sync=True), **f64)
+    res["diloco"] = {"outer_steps": tr.strategy.outer.steps, "verify_ops": tr.strategy.comm_stats.ops["verify"]}
+    # 3. the shared path on the periodic family: outer lr 1 reproduces plain averaging bit for bit (ADPSGD's S_k is
+    #    measured against the mean before the outer step, so its periods are the same too; FedAvg averages one of the
+    #    two ranks per round, SelSync with delta 0 syncs every step)
+    for name, make in {
+        "localsgd": lambda outer: LocalSGDStrategy(period=3, outer_optimizer=outer),
+        "adpsgd": lambda outer: ADPSGDStrategy(p_init=2, warmup_epochs=0, sample_fraction=0.2, outer_optimizer=outer),
+        "fedavg": lambda outer: FedAvgStrategy(fraction=0.5, syncs_per_epoch=8, outer_optimizer=outer),
+        "selsync": lambda outer: SelSyncStrategy(delta=0.0, outer_optimizer=outer),
+    }.items():
+        for suffix, outer in (("plain", None), ("outer_lr1", LR1)):
+            tr = fit(f"{name}_{suffix}", make(outer), max_steps=20)
+            controller = getattr(tr.strategy, "controller", None)
+            res[f"{name}_{suffix}"] = {
+                "syncs": tr.strategy.step_counter.sync_steps,
+                "controller": controller.state_dict() if controller is not None else None,
+            }
+
+    # 4. streaming: 2 fragments, each launched asynchronously and applied one step later, over an emulated 2 Mbit/s
+    #    link, so the all-reduce is still in flight when the next step starts
+    class Probe(Callback):
+        def __init__(self):
+            self.rows = []
+            self.parts = None
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            s = trainer.strategy
+            self.parts = [[(p.start, p.param_end, p.end) for p in parts] for parts in s._parts]
+            self.rows.append(
+                {
+                    "launched": s.last_launched,
+                    "applied": s.last_applied,
+                    "in_flight_at_start": s.in_flight_at_step_start,
+                    "bytes_params": s.comm_stats.bytes_sent["params"],
+                    "global": [t.detach().clone() for t in s.outer.global_params],
+                }
+            )
+
+    probe = Probe()
+    strategy = DiLoCoStrategy(**STREAM, link="2mbit,1ms", verify_sync=True)
+    tr = fit("stream", strategy, max_steps=STREAM_STEPS, callbacks=[probe])
+    torch.save(probe.rows, out / f"stream_rows_rank{rank}.pt")
+    model = DigitsCNN()
+    res["stream"] = {
+        "fragment_syncs": strategy.fragment_syncs,
+        "parts": probe.parts,
+        "numel": sum(t.numel() for t in model.parameters())
+        + sum(b.numel() for b in model.buffers() if b.is_floating_point()),
+        "param_numel": sum(t.numel() for t in model.parameters()),
+        "metrics": strategy.sync_metrics(),
+        "verify_ops": strategy.comm_stats.ops["verify"],
+    }
+    (out / f"res_rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diloco")
+    return out, run_suite(_suite, WORLD, out)
+
+
+def _load(out: Path, name: str, rank: int = 0) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in torch.load(out / f"{name}_rank{rank}.pt").items() if v.is_floating_point()}
+
+
+def test_outer_lr_one_without_momentum_equals_local_sgd(suite):
+    out, res = suite
+    assert res[0]["diloco_lr1"] == {"syncs": 3, "final_ops": 1}  # after steps 2, 5, 8; and the final sync
+    for rank in range(WORLD):
+        a, b = _load(out, "diloco_lr1", rank), _load(out, "localsgd_after_h", rank)
+        assert_equal_in_exact_arithmetic(a, b, K, "DiLoCo(outer lr 1) vs local SGD")
+
+
+def test_one_fragment_without_delay_equals_plain_diloco(suite):
+    out, res = suite
+    assert res[0]["diloco"]["outer_steps"] == 4  # 3 syncs and the final one
+    assert res[0]["diloco"]["verify_ops"] >= 4  # verify_sync checked every sync of the run
+    for rank in range(WORLD):
+        a, b = _load(out, "diloco", rank), _load(out, "plain_diloco", rank)
+        assert_equal_in_exact_arithmetic(a, b, K, "DiLoCo(K=1, delay 0) vs plain DiLoCo")
+    # the outer optimizer really changes the trajectory (not plain averaging), and the replicas end identical
+    assert max_diff(_load(out, "diloco"), _load(out, "diloco_lr1")) > 1e-4
+    assert max_diff(_load(out, "diloco", 0), _load(out, "diloco", 1)) == 0.0
+
+
+@pytest.mark.parametrize("name", ["localsgd", "adpsgd", "fedavg", "selsync"])
+def test_outer_lr_one_on_a_periodic_strategy_reproduces_plain_averaging_bit_for_bit(suite, name):
+    out, res = suite
+    assert res[0][f"{name}_outer_lr1"] == res[0][f"{name}_plain"]  # same syncs (ADPSGD: same S_k, C2, periods)
+    assert res[0][f"{name}_plain"]["syncs"] > 3
+    for rank in range(WORLD):
+        assert max_diff(_load(out, f"{name}_outer_lr1", rank), _load(out, f"{name}_plain", rank)) == 0.0
+
+
+def test_streaming_fragments_are_each_synced_once_per_period(suite):
+    out, res = suite
+    rows = torch.load(out / "stream_rows_rank0.pt")
+    h, k, tau = STREAM["sync_every"], STREAM["fragments"], STREAM["delay"]
+    launched = [r["launched"] for r in rows]
+    # fragment 0 after steps 1, 5, 9; fragment 1 after steps 3, 7, 11 (one every H/K = 2 steps, each once per H)
+    assert launched == [(None if (i + 1) % (h // k) else ((i + 1) // (h // k) - 1) % k) for i in range(STREAM_STEPS)]
+    for f in range(k):
+        at = [i for i, x in enumerate(launched) if x == f]
+        assert at == list(range((f + 1) * h // k - 1, STREAM_STEPS, h))
+    assert [r["applied"] for r in rows] == [None] * tau + launched[:-tau]
+    s = res[0]["stream"]
+    assert s["fragment_syncs"] == [launched.count(f) for f in range(k)] == [3, 3]
+    # two contiguous halves of the parameters; the floating buffers travel with the last one
+    (first,), (last,) = s["parts"]
+    assert first[0] == 0 and first[1] == first[2] == last[0] and last[1] == s["param_numel"] and last[2] == s["numel"]
+    assert abs((first[1] - first[0]) - (last[1] - last[0])) <= 1
+    # bytes: each launch all-reduces its fragment once (float32; 2 ranks on gloo's ring send B exactly once)
+    sizes = [first[2] - first[0], last[2] - last[0]]
+    expected = 0
+    for i, f in enumerate(launched):
+        expected += 0 if f is None else 4 * sizes[f]
+        assert rows[i]["bytes_params"] == expected
+    assert s["metrics"]["bytes_params"] == expected
+
+
+def test_streaming_all_reduce_is_in_flight_while_the_next_step_computes(suite):
+    out, _ = suite
+    rows = torch.load(out / "stream_rows_rank0.pt")
+    # recorded order: launch after step i, step i+1 starts with the all-reduce incomplete, applied after step i+1
+    launches = [i for i, r in enumerate(rows) if r["launched"] is not None and i + 1 < len(rows)]
+    assert launches
+    for i in launches:
+        assert rows[i + 1]["in_flight_at_start"] is True, f"launched after step {i}, complete before step {i + 1}"
+        assert rows[i + 1]["applied"] == rows[i]["launched"]
+        assert rows[i + 1]["launched"] is None
+
+
+def test_streaming_ranks_hold_identical_global_parameters_after_every_sync(suite):
+    out, res = suite
+    assert res[0]["stream"]["verify_ops"] >= sum(res[0]["stream"]["fragment_syncs"])  # verify_sync at every apply
+    rows = [torch.load(out / f"stream_rows_rank{r}.pt") for r in range(WORLD)]
+    for step, (a, b) in enumerate(zip(*rows)):
+        assert all(torch.equal(x, y) for x, y in zip(a["global"], b["global"])), f"global params differ, step {step}"
+    # with alpha = 0.5 the replicas keep half of their local fragment, so they differ during training; the final
+    # sync hands back one global model
+    assert max_diff(_load(out, "stream", 0), _load(out, "stream", 1)) == 0.0
+
+
+def test_selsync_refuses_an_outer_optimizer_with_gradient_aggregation():
+    from lightning_sync import SelSyncStrategy
+
+    with pytest.raises(ValueError, match=r"outer_optimizer must be None with aggregation='gradients'.*parameters"):
+        SelSyncStrategy(aggregation="gradients", outer_optimizer=NESTEROV)
+    assert SelSyncStrategy(aggregation="parameters", outer_optimizer=NESTEROV).outer_config is not None
+
+
+def test_yaml_config_and_name():
+    from lightning_sync import DiLoCoStrategy
+    from lightning_sync.cli import cli_main
+    from lightning_sync.core.outer import OuterSGD
+
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "diloco.yaml"
+    cli = cli_main(["--config", str(config)], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, DiLoCoStrategy) and strategy.outer_config == OuterSGD(0.7, 0.9, True)
+    cli = cli_main(
+        ["--config", str(config), '--trainer.strategy.init_args.outer_optimizer={"name": "sgd", "lr": 1.0}'], run=False
+    )
+    assert cli.trainer.strategy.outer_config == OuterSGD(1.0)
+    trainer = pl.Trainer(strategy="diloco", accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is DiLoCoStrategy and trainer.strategy.sync_every == 16
