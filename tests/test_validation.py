@@ -324,6 +324,12 @@ def base_specs(parameter_server: bool = False) -> dict[str, Arg]:
             edges_invalid=("", ",", "1gbit,", "0gbit,1ms", "1gbit,-1ms", 1e9, True),
         ),
         "verify_sync": bool_arg("verify_sync"),
+        "compression": choice_arg(
+            "compression",
+            (None, "bf16", "fp16", "int8"),
+            r"compression must be None, 'bf16', 'fp16' or 'int8'",
+            note="what the tensors can take (floating point; a cast narrower than the data) is checked at setup",
+        ),
         "injection": injection,
         "injection_seed": int_arg("injection_seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         "accelerator": Arg(

@@ -340,6 +340,7 @@ class ParameterServer:
         numel = self.plan.numel(self.rank)
         buf = torch.empty(HEADER_BYTES + self.payload_bytes(numel), dtype=torch.uint8)
         payload = buf[HEADER_BYTES:].view(self.dtype) if self.compressor is None else buf[HEADER_BYTES:]
+        scratch = torch.empty(numel if self.compressor is not None else 0, dtype=self.dtype)  # int8's encoding
         while True:
             item = self._outbox.get()
             if item is None:
@@ -350,8 +351,8 @@ class ParameterServer:
                 assert params is not None
                 if self.compressor is None:
                     payload.copy_(params)
-                else:  # the snapshot is this reply's own: it serves as the encoding's scratch
-                    encode(self.compressor.fmt, params, payload, scratch=params, what="the pulled parameters")
+                else:
+                    encode(self.compressor.fmt, params, payload, scratch=scratch, what="the pulled parameters")
                 msg, tag = buf, "pull"
             else:
                 msg, tag = buf[:HEADER_BYTES], "ps_control"
@@ -433,6 +434,7 @@ class ParameterServer:
                 shards = self.plan.gather(delta, s, out=self._push_scratch[s])
                 feedback = self.compressor.feedback(f"push/{s}", shards.numel(), shards.dtype, shards.device)
                 residual = None if feedback is None else feedback.worker
+                # the gathered shards serve as the encoding's scratch once the residual holds delta + residual
                 encode(self.compressor.fmt, shards, buf[HEADER_BYTES:], residual, scratch=shards, what="the delta")
             self.stats.record_launch("push", buf.numel(), blocking=wait)
             self._pending_sends.append((dist.isend(buf, dst=s, group=self.push_group), "push", s))
