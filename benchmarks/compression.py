@@ -3,14 +3,22 @@
     python benchmarks/compression.py                       # both parts, about 6 minutes on 2 CPU cores
     python benchmarks/compression.py --part speed          # only the bytes/time table
     python benchmarks/compression.py --part accuracy --seeds 0 1 2
+    python benchmarks/compression.py --part sum            # what gloo does with a bf16/fp16 SUM (seconds)
+
+**Sum** (``--part sum``): why the compressed all-reduce never asks the backend for a low-precision SUM. ``--world``
+gloo ranks all-reduce 1M normal values cast to bf16 / fp16 with gloo's own SUM, and with
+``Communicator.all_reduce_compressed`` (op ``"sum"``); the mean absolute error of each against the exact (float64) sum
+of the same low-precision inputs, beside the error of the fp32 sum rounded once to the format (the best a result in
+that format can be). gloo's error above that floor is its rounding at every ring step.
 
 **Speed** (``--part speed``): the communication-heavy ``WideMLP`` (hidden 2048, depth 2: ~4.3M parameters, 17 MB of
 float32) on digits (batch 32 per rank), ``--world`` ranks (default 4) at an emulated ``--link`` (default
 ``1gbit,1ms``), BSP (gradients every step) and local SGD (``period=8``), each with fp32, bf16 and int8 syncs, one
 after another in the same processes. Per row: bytes rank 0 sent per step (``sync/bytes_sent`` / steps) and the
-median wall time of a training step after the first ``--skip`` steps (workspaces and the first collectives of a
-shape are set up there). Several processes share the 2 cores of the development machine, and the encode/decode
-of a compressed all-reduce is CPU work they compete for: the times are noisy and CPU-bound; the bytes are exact.
+mean wall time of a training step after the first ``--skip`` steps (workspaces and the first collectives of a
+shape are set up there; local SGD's averaging steps are included in the mean). Several processes share the 2 cores
+of the development machine, and the encode/decode of a compressed all-reduce is CPU work they compete for: the
+times are noisy and CPU-bound; the bytes are exact.
 
 **Accuracy** (``--part accuracy``): the embedded default (demo CNN on digits, 2 ranks, batch 32, 6 epochs as
 ``lightning-sync compare`` runs it), BSP with fp32, bf16 and int8 gradient all-reduces per seed; test accuracy of the
@@ -104,63 +112,116 @@ def _accuracy_worker(rank: int, out_dir: str, seeds: list[int], epochs: int) -> 
         Path(out_dir, "accuracy.json").write_text(json.dumps(res))
 
 
+def _sum_worker(rank: int, out_dir: str, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_sync.comm import CommStats, Communicator
+    from lightning_sync.comm.compression import Compressor
+
+    dist.init_process_group("gloo")  # launch_local set the torchrun-like environment
+    comm = Communicator(CommStats())
+    res = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        inputs = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)]
+        exact = torch.stack([x.double() for x in inputs]).sum(0)
+        gloo = inputs[rank].clone()
+        dist.all_reduce(gloo)  # the backend's SUM in the low-precision type
+        ours = inputs[rank].float()
+        comm.all_reduce_compressed(ours, Compressor(name), op="sum")
+        floor = exact.float().to(dtype)  # the exact sum rounded once to the format
+        res[name] = {
+            "gloo": float((gloo.double() - exact).abs().mean()),
+            "compressed": float((ours.double() - exact).abs().mean()),
+            "floor": float((floor.double() - exact).abs().mean()),
+        }
+    if rank == 0:
+        Path(out_dir, "sum.json").write_text(json.dumps(res))
+
+
 def _label(compression: str | None) -> str:
     return compression or "fp32"
 
 
+def _sum_table(tmp: str, world: int) -> None:
+    from lightning_sync.launch import launch_local
+
+    launch_local(_sum_worker, world, tmp, world)
+    res = json.loads(Path(tmp, "sum.json").read_text())
+    print(f"\n## SUM of 1M low-precision values over {world} gloo ranks: mean |error| vs the exact sum")
+    print(
+        "| format | gloo all_reduce (SUM in the format) | compressed all-reduce (fp32 sum) | exact sum rounded once |"
+    )
+    print("|---|---:|---:|---:|")
+    for name, r in res.items():
+        print(f"| {name} | {r['gloo']:.3g} | {r['compressed']:.3g} | {r['floor']:.3g} |")
+    for name, r in res.items():
+        gloo, ours = r["gloo"] / r["floor"], r["compressed"] / r["floor"]
+        print(f"{name}: gloo's error is {gloo:.2f}x the rounding floor, the compressed all-reduce's {ours:.2f}x")
+
+
+def _speed_table(tmp: str, world: int, link: str, epochs: int, skip: int) -> None:
+    from lightning_sync.launch import launch_local
+
+    launch_local(_speed_worker, world, tmp, world, link, epochs)
+    speed = json.loads(Path(tmp, "speed.json").read_text())
+    print(
+        f"\n## Compressed syncs: WideMLP (~4.3M params), digits, batch 32 x {world} ranks, link {link}, "
+        f"{epochs} epochs (step time: mean over the steps after the first {skip}, syncs included)"
+    )
+    print("| strategy | compression | steps | bytes sent / step (rank 0) | vs fp32 | s / step | vs fp32 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name in ("BSP", "local SGD(p=8)"):
+        base = speed[f"{name}/None"]
+        base_bytes = base["bytes_sent"] / base["steps"]
+        base_step = statistics.mean(base["step_s"][skip:])
+        for compression in COMPRESSIONS:
+            r = speed[f"{name}/{compression}"]
+            per_step = r["bytes_sent"] / r["steps"]
+            step = statistics.mean(r["step_s"][skip:])
+            print(
+                f"| {name} | {_label(compression)} | {r['steps']} | {per_step:,.0f} | {per_step / base_bytes:.3f} "
+                f"| {step:.4f} | {step / base_step:.2f} |"
+            )
+
+
+def _accuracy_table(tmp: str, seeds: list[int], epochs: int) -> None:
+    from lightning_sync.launch import launch_local
+
+    launch_local(_accuracy_worker, 2, tmp, seeds, epochs)
+    acc = json.loads(Path(tmp, "accuracy.json").read_text())
+    print(f"\n## BSP on the embedded default (demo CNN, digits, 2 ranks, {epochs} epochs): test accuracy")
+    print("| seed | " + " | ".join(_label(c) for c in COMPRESSIONS) + " | bf16 - fp32 (points) |")
+    print("|---:|" + "---:|" * (len(COMPRESSIONS) + 1))
+    diffs = []
+    for seed in seeds:
+        row = [acc[f"{seed}/{c}"]["acc"] for c in COMPRESSIONS]
+        diffs.append(100 * (acc[f"{seed}/bf16"]["acc"] - acc[f"{seed}/None"]["acc"]))
+        print(f"| {seed} | " + " | ".join(f"{a:.4f}" for a in row) + f" | {diffs[-1]:+.2f} |")
+    means = [statistics.mean(acc[f"{s}/{c}"]["acc"] for s in seeds) for c in COMPRESSIONS]
+    print("| mean | " + " | ".join(f"{a:.4f}" for a in means) + f" | {statistics.mean(diffs):+.2f} |")
+    ratio = acc[f"{seeds[0]}/bf16"]["bytes_grads"] / acc[f"{seeds[0]}/None"]["bytes_grads"]
+    held = "holds" if abs(statistics.mean(diffs)) <= 0.5 else "does NOT hold"
+    print(f"bf16 gradient bytes / fp32: {ratio:.3f}; goal (bf16 within 0.5 point of fp32, mean): {held}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("speed", "accuracy", "both"), default="both")
-    parser.add_argument("--world", type=int, default=4, help="ranks of the speed part")
+    parser.add_argument("--part", choices=("speed", "accuracy", "sum", "both"), default="both")
+    parser.add_argument("--world", type=int, default=4, help="ranks of the speed and sum parts")
     parser.add_argument("--link", default="1gbit,1ms", help="emulated link of the speed part")
     parser.add_argument("--speed-epochs", type=int, default=2)
-    parser.add_argument("--skip", type=int, default=3, help="first steps of each run left out of the median")
+    parser.add_argument("--skip", type=int, default=3, help="first steps of each run left out of the step time")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=6, help="epochs of the accuracy part")
     args = parser.parse_args()
-
-    from lightning_sync.launch import launch_local
-
     with tempfile.TemporaryDirectory() as tmp:
+        if args.part == "sum":
+            _sum_table(tmp, args.world)
         if args.part in ("speed", "both"):
-            launch_local(_speed_worker, args.world, tmp, args.world, args.link, args.speed_epochs)
-            speed = json.loads(Path(tmp, "speed.json").read_text())
-            print(
-                f"\n## Compressed syncs: WideMLP (~4.3M params), digits, batch 32 x {args.world} ranks, link "
-                f"{args.link}, {args.speed_epochs} epochs (step time: median after the first {args.skip} steps)"
-            )
-            print(
-                "| strategy | compression | steps | bytes sent / step (rank 0) | vs fp32 | step s (median) | vs fp32 |"
-            )
-            print("|---|---|---:|---:|---:|---:|---:|")
-            for name in ("BSP", "local SGD(p=8)"):
-                base = speed[f"{name}/None"]
-                base_bytes = base["bytes_sent"] / base["steps"]
-                base_step = statistics.median(base["step_s"][args.skip :])
-                for compression in COMPRESSIONS:
-                    r = speed[f"{name}/{compression}"]
-                    per_step = r["bytes_sent"] / r["steps"]
-                    step = statistics.median(r["step_s"][args.skip :])
-                    print(
-                        f"| {name} | {_label(compression)} | {r['steps']} | {per_step:,.0f} | "
-                        f"{per_step / base_bytes:.3f} | {step:.4f} | {step / base_step:.2f} |"
-                    )
+            _speed_table(tmp, args.world, args.link, args.speed_epochs, args.skip)
         if args.part in ("accuracy", "both"):
-            launch_local(_accuracy_worker, 2, tmp, args.seeds, args.epochs)
-            acc = json.loads(Path(tmp, "accuracy.json").read_text())
-            print(f"\n## BSP on the embedded default (demo CNN, digits, 2 ranks, {args.epochs} epochs): test accuracy")
-            print("| seed | " + " | ".join(_label(c) for c in COMPRESSIONS) + " | bf16 - fp32 (points) |")
-            print("|---:|" + "---:|" * (len(COMPRESSIONS) + 1))
-            diffs = []
-            for seed in args.seeds:
-                row = [acc[f"{seed}/{c}"]["acc"] for c in COMPRESSIONS]
-                diffs.append(100 * (acc[f"{seed}/bf16"]["acc"] - acc[f"{seed}/None"]["acc"]))
-                print(f"| {seed} | " + " | ".join(f"{a:.4f}" for a in row) + f" | {diffs[-1]:+.2f} |")
-            means = [statistics.mean(acc[f"{s}/{c}"]["acc"] for s in args.seeds) for c in COMPRESSIONS]
-            print("| mean | " + " | ".join(f"{a:.4f}" for a in means) + f" | {statistics.mean(diffs):+.2f} |")
-            ratio = acc[f"{args.seeds[0]}/bf16"]["bytes_grads"] / acc[f"{args.seeds[0]}/None"]["bytes_grads"]
-            held = "holds" if abs(statistics.mean(diffs)) <= 0.5 else "does NOT hold"
-            print(f"bf16 gradient bytes / fp32: {ratio:.3f}; goal (bf16 within 0.5 point of fp32, mean): {held}")
+            _accuracy_table(tmp, args.seeds, args.epochs)
 
 
 if __name__ == "__main__":

@@ -530,3 +530,38 @@ def test_osp_stages_and_parameter_server_messages_are_compressed(strategy_result
     numel = asp["numel"]["state"]
     shard1 = numel - math.ceil(numel / 2)  # ShardPlan: ceil(total / N) per shard, shard 1 is the rest
     assert asp["bytes"]["push"] == asp["pushes"] * (32 + shard1 + 4 * math.ceil(shard1 / 256))
+
+
+# =============================================================================================== setup (one process)
+def _fit_one_process(strategy, **trainer_kwargs) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    kw = quiet_trainer_kwargs(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
+    kw.update(trainer_kwargs)
+    pl.Trainer(strategy=strategy, **kw).fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+
+
+def test_a_cast_that_cannot_shrink_the_parameters_is_refused_at_setup(single_process):
+    from lightning_sync import BSPStrategy
+
+    with pytest.raises(ValueError, match=r"compression='bf16' does not shrink BSPStrategy's .* torch.bfloat16"):
+        _fit_one_process(BSPStrategy(compression="bf16"), precision="bf16-true")
+    _fit_one_process(BSPStrategy(compression="int8"), precision="bf16-true")  # int8 does shrink bf16
+
+
+@pytest.mark.parametrize("name", ["localsgd", "aladdin"])
+def test_compression_on_one_rank_trains_without_sending(name, single_process):
+    import lightning_sync.strategies as S
+
+    strategy = (
+        S.LocalSGDStrategy(period=1, compression="int8")
+        if name == "localsgd"
+        else S.ALADDINStrategy(compression="int8")
+    )
+    _fit_one_process(strategy)
+    sent = {tag: n for tag, n in strategy.comm_stats.bytes_sent.items() if n and tag != "work"}
+    assert sent == {}  # (the parameter server's batch claims go to the store even on one rank)

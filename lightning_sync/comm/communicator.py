@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, compressed_allreduce_bytes
-from lightning_sync.comm.fault import default_timeout, failures, reset
+from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
 from lightning_sync.comm.link import LinkClock, LinkModel
 
 _OPS = {
@@ -141,8 +141,14 @@ class _Driver:
         return job
 
     def close(self, timeout: float = 30.0) -> None:
+        """Let the queued operations finish, stop the thread and destroy the driver's group. A thread still inside
+        a collective after ``timeout`` (a peer failed mid-operation) is left to the exit path's linger, with its
+        group (destroying a group under a waiting thread can abort the process)."""
         self._jobs.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            wait_at_exit(self._thread)
+            return
         self.comm.destroy()
 
 

@@ -19,10 +19,10 @@ only code that calls ``torch.distributed``) and the parameter server (:mod:`ligh
   (at most half a quantisation step per element).
 
 **The all-reduce** (every backend, every format): a low-precision SUM is never requested from the backend, because
-gloo (torch 2.14, measured here: ``bf16`` and ``fp16`` all-reduce are supported) adds in the wire type at every
-ring step — with 4 ranks its bf16 result had 1.6x the mean error of an fp32 sum rounded once — and NCCL's ring
-likewise reduces in the buffer's type at each hop; int8 cannot be summed on the wire at all. Instead, as torchft's
-quantized all-reduce does:
+gloo (torch 2.14: ``bf16`` and ``fp16`` all-reduce are supported) adds in the wire type at every ring step — with 4
+ranks its mean error was 1.64x that of the exact sum rounded once (``python benchmarks/compression.py --part sum``)
+— and NCCL's ring also reduces in the buffer's type at each hop (its design; not measured here, no GPU); int8 cannot
+be summed on the wire at all. Instead, as torchft's quantized all-reduce does:
 
 1. each rank encodes its tensor (plus its residual, int8) as ``N`` equal chunks and an **all-to-all** sends chunk
    ``j`` to rank ``j`` (a reduce-scatter in the wire format);
@@ -37,7 +37,7 @@ Bytes per rank (:func:`~lightning_sync.comm.cost.compressed_allreduce_bytes`): `
 padding included because it is sent. On one rank nothing is sent and nothing is compressed.
 
 **Persistent buffers.** A :class:`Compressor` keeps one workspace per (size, dtype, device, world size) — the
-padded input, the send and receive records, the fp32 accumulator — allocated at first use and reused by every
+send and receive records, the fp32 accumulator and scratch of one chunk — allocated at first use and reused by every
 later all-reduce of that size; an asynchronous all-reduce in flight holds its workspace, so concurrent ones get
 their own (the pool grows to the number in flight, then stays). No sync allocates a model-sized tensor.
 """
@@ -194,7 +194,10 @@ def dequantize_int8(q: Tensor, scales: Tensor, out: Tensor, accumulate: bool = F
 
 
 def _check_fp16_range(src: Tensor, what: str) -> None:
-    amax = float(src.abs().amax()) if src.numel() else 0.0
+    if not src.numel():
+        return
+    low, high = torch.aminmax(src)  # a reduction, no temporary of src's size
+    amax = max(-float(low), float(high))
     if math.isfinite(amax) and amax > FP16_MAX:
         raise ValueError(
             f"compression='fp16': {what} holds a value of magnitude {amax:.6g}, beyond float16's range (±65504); "
@@ -290,7 +293,8 @@ class ErrorFeedback:
             )
         self.worker.copy_(state["worker"])
         if state.get("server") is not None:
-            self.server = state["server"].to(device=self.worker.device, dtype=self.worker.dtype)
+            # a copy: the state handed in (a checkpoint's, or a snapshot of it) must not change with training
+            self.server = state["server"].to(device=self.worker.device, dtype=self.worker.dtype, copy=True)
             self.layout = tuple(state["layout"]) if state.get("layout") is not None else None
 
 

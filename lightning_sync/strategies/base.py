@@ -315,7 +315,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         a full all-reduce) and the sum is divided by ``len(participants)``.
         """
         tensors = self.flat.state_tensors()
-        if self.compressor is not None:
+        if self.compressor is not None and self.world_size > 1:
             self._average_state_compressed(tensors, tag, participants)
         elif participants is None or len(participants) == self.world_size:
             self.comm.all_reduce_many(tensors, op="avg", tag=tag)
