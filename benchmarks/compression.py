@@ -3,6 +3,7 @@
     python benchmarks/compression.py                       # both parts, about 6 minutes on 2 CPU cores
     python benchmarks/compression.py --part speed          # only the bytes/time table
     python benchmarks/compression.py --part accuracy --seeds 0 1 2
+    python benchmarks/compression.py --part accuracy --strategies localsgd,asp,osp --seeds 0
     python benchmarks/compression.py --part sum            # what gloo does with a bf16/fp16 SUM (seconds)
 
 **Sum** (``--part sum``): why the compressed all-reduce never asks the backend for a low-precision SUM. ``--world``
@@ -21,8 +22,9 @@ of the development machine, and the encode/decode of a compressed all-reduce is 
 times are noisy and CPU-bound; the bytes are exact.
 
 **Accuracy** (``--part accuracy``): the embedded default (demo CNN on digits, 2 ranks, batch 32, 6 epochs as
-``lightning-sync compare`` runs it), BSP with fp32, bf16 and int8 gradient all-reduces per seed; test accuracy of the
-model ``fit`` hands back, and the difference to fp32 in points (the goal: bf16 within 0.5 point; the test split has
+``lightning-sync compare`` runs it), BSP (``--strategies``: any, default arguments) with fp32, bf16 and int8 syncs per
+seed; test accuracy of the model ``fit`` hands back (the global model for the periodic and parameter-server
+methods), and the difference to fp32 in points (the goal: bf16 within 0.5 point; the test split has
 360 images, so one image is 0.28 points).
 
 Each rank uses ``torch.set_num_threads(1)``.
@@ -87,27 +89,30 @@ def _speed_worker(rank: int, out_dir: str, world: int, link: str, epochs: int) -
         Path(out_dir, "speed.json").write_text(json.dumps(res))
 
 
-def _accuracy_worker(rank: int, out_dir: str, seeds: list[int], epochs: int) -> None:
+def _accuracy_worker(rank: int, out_dir: str, strategies: list[str], seeds: list[int], epochs: int) -> None:
     import lightning.pytorch as pl
 
     from lightning_sync import BSPStrategy
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
+    from lightning_sync.strategies import STRATEGIES
 
+    classes = {cls.strategy_name: cls for cls in STRATEGIES}
     res: dict = {}
-    for seed in seeds:
-        for compression in COMPRESSIONS:
-            pl.seed_everything(seed)
-            kw = quiet_trainer_kwargs(accelerator="cpu", devices=2)
-            model, dm = DigitsCNN(), DigitsDataModule(batch_size=32)
-            strategy = BSPStrategy(compression=compression)
-            pl.Trainer(strategy=strategy, max_epochs=epochs, limit_val_batches=0, **kw).fit(model, dm)
-            result = pl.Trainer(strategy=BSPStrategy(), **kw).test(model, dm, verbose=False)
-            res[f"{seed}/{compression}"] = {
-                "acc": float(result[0]["test/acc"]),
-                "bytes_grads": strategy.comm_stats.bytes_sent["grads"],
-            }
+    for name in strategies:
+        for seed in seeds:
+            for compression in COMPRESSIONS:
+                pl.seed_everything(seed)
+                kw = quiet_trainer_kwargs(accelerator="cpu", devices=2)
+                model, dm = DigitsCNN(), DigitsDataModule(batch_size=32)
+                strategy = classes[name](compression=compression)
+                pl.Trainer(strategy=strategy, max_epochs=epochs, limit_val_batches=0, **kw).fit(model, dm)
+                result = pl.Trainer(strategy=BSPStrategy(), **kw).test(model, dm, verbose=False)
+                res[f"{name}/{seed}/{compression}"] = {
+                    "acc": float(result[0]["test/acc"]),
+                    "bytes": strategy.comm_stats.total_bytes(),
+                }
     if rank == 0:
         Path(out_dir, "accuracy.json").write_text(json.dumps(res))
 
@@ -185,24 +190,31 @@ def _speed_table(tmp: str, world: int, link: str, epochs: int, skip: int) -> Non
             )
 
 
-def _accuracy_table(tmp: str, seeds: list[int], epochs: int) -> None:
+def _accuracy_table(tmp: str, strategies: list[str], seeds: list[int], epochs: int) -> None:
     from lightning_sync.launch import launch_local
 
-    launch_local(_accuracy_worker, 2, tmp, seeds, epochs)
+    launch_local(_accuracy_worker, 2, tmp, strategies, seeds, epochs)
     acc = json.loads(Path(tmp, "accuracy.json").read_text())
-    print(f"\n## BSP on the embedded default (demo CNN, digits, 2 ranks, {epochs} epochs): test accuracy")
-    print("| seed | " + " | ".join(_label(c) for c in COMPRESSIONS) + " | bf16 - fp32 (points) |")
-    print("|---:|" + "---:|" * (len(COMPRESSIONS) + 1))
-    diffs = []
-    for seed in seeds:
-        row = [acc[f"{seed}/{c}"]["acc"] for c in COMPRESSIONS]
-        diffs.append(100 * (acc[f"{seed}/bf16"]["acc"] - acc[f"{seed}/None"]["acc"]))
-        print(f"| {seed} | " + " | ".join(f"{a:.4f}" for a in row) + f" | {diffs[-1]:+.2f} |")
-    means = [statistics.mean(acc[f"{s}/{c}"]["acc"] for s in seeds) for c in COMPRESSIONS]
-    print("| mean | " + " | ".join(f"{a:.4f}" for a in means) + f" | {statistics.mean(diffs):+.2f} |")
-    ratio = acc[f"{seeds[0]}/bf16"]["bytes_grads"] / acc[f"{seeds[0]}/None"]["bytes_grads"]
-    held = "holds" if abs(statistics.mean(diffs)) <= 0.5 else "does NOT hold"
-    print(f"bf16 gradient bytes / fp32: {ratio:.3f}; goal (bf16 within 0.5 point of fp32, mean): {held}")
+    for name in strategies:
+        print(f"\n## {name} on the embedded default (demo CNN, digits, 2 ranks, {epochs} epochs): test accuracy")
+        print("| seed | " + " | ".join(_label(c) for c in COMPRESSIONS) + " | bf16 - fp32 (points) | int8 - fp32 |")
+        print("|---:|" + "---:|" * (len(COMPRESSIONS) + 2))
+        diffs: dict[str, list[float]] = {"bf16": [], "int8": []}
+        for seed in seeds:
+            row = [acc[f"{name}/{seed}/{c}"]["acc"] for c in COMPRESSIONS]
+            for c in diffs:
+                diffs[c].append(100 * (acc[f"{name}/{seed}/{c}"]["acc"] - acc[f"{name}/{seed}/None"]["acc"]))
+            cells = " | ".join(f"{a:.4f}" for a in row)
+            print(f"| {seed} | {cells} | {diffs['bf16'][-1]:+.2f} | {diffs['int8'][-1]:+.2f} |")
+        means = [statistics.mean(acc[f"{name}/{s}/{c}"]["acc"] for s in seeds) for c in COMPRESSIONS]
+        cells = " | ".join(f"{a:.4f}" for a in means)
+        print(f"| mean | {cells} | {statistics.mean(diffs['bf16']):+.2f} | {statistics.mean(diffs['int8']):+.2f} |")
+        ratios = ", ".join(
+            f"{c} {acc[f'{name}/{seeds[0]}/{c}']['bytes'] / acc[f'{name}/{seeds[0]}/None']['bytes']:.3f}"
+            for c in ("bf16", "int8")
+        )
+        held = "holds" if abs(statistics.mean(diffs["bf16"])) <= 0.5 else "does NOT hold"
+        print(f"bytes sent / fp32: {ratios}; bf16 within 0.5 point of fp32 (mean): {held}")
 
 
 def main() -> None:
@@ -214,6 +226,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3, help="first steps of each run left out of the step time")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=6, help="epochs of the accuracy part")
+    parser.add_argument("--strategies", default="bsp", help="strategies of the accuracy part, comma-separated names")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.part == "sum":
@@ -221,7 +234,7 @@ def main() -> None:
         if args.part in ("speed", "both"):
             _speed_table(tmp, args.world, args.link, args.speed_epochs, args.skip)
         if args.part in ("accuracy", "both"):
-            _accuracy_table(tmp, args.seeds, args.epochs)
+            _accuracy_table(tmp, [n.strip() for n in args.strategies.split(",") if n.strip()], args.seeds, args.epochs)
 
 
 if __name__ == "__main__":

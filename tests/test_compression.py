@@ -565,3 +565,14 @@ def test_compression_on_one_rank_trains_without_sending(name, single_process):
     _fit_one_process(strategy)
     sent = {tag: n for tag, n in strategy.comm_stats.bytes_sent.items() if n and tag != "work"}
     assert sent == {}  # (the parameter server's batch claims go to the store even on one rank)
+
+
+def test_workspaces_of_sizes_not_used_recently_are_dropped():
+    comp = Compressor("bf16")
+    for numel in range(100, 100 + 3 * Compressor.MAX_SHAPES):  # e.g. OSP's stages as the layer selection changes
+        comp.release(comp.acquire(numel, torch.float32, torch.device("cpu"), 2))
+    assert comp.workspaces() == Compressor.MAX_SHAPES
+    busy = comp.acquire(7, torch.float32, torch.device("cpu"), 2)
+    for numel in range(1000, 1000 + 3 * Compressor.MAX_SHAPES):
+        comp.release(comp.acquire(numel, torch.float32, torch.device("cpu"), 2))
+    assert busy in comp._pool[(7, torch.float32, torch.device("cpu"), 2)]  # one in use is never dropped

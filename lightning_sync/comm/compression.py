@@ -39,7 +39,9 @@ padding included because it is sent. On one rank nothing is sent and nothing is 
 **Persistent buffers.** A :class:`Compressor` keeps one workspace per (size, dtype, device, world size) — the
 send and receive records, the fp32 accumulator and scratch of one chunk — allocated at first use and reused by every
 later all-reduce of that size; an asynchronous all-reduce in flight holds its workspace, so concurrent ones get
-their own (the pool grows to the number in flight, then stays). No sync allocates a model-sized tensor.
+their own (the pool grows to the number in flight, then stays). Idle workspaces of the least recently used sizes
+beyond :attr:`Compressor.MAX_SHAPES` are dropped (OSP's stages change size when its layer selection does). Only a
+size not seen recently allocates.
 """
 
 from __future__ import annotations
@@ -339,6 +341,9 @@ class Compressor:
     all-reduces (int8 only; ``None`` for the casts), created at first use or restored from :meth:`load_state_dict`.
     """
 
+    #: shapes whose idle workspaces are kept (least recently used ones are dropped beyond it)
+    MAX_SHAPES = 8
+
     def __init__(self, compression: str) -> None:
         self.name = check_compression(compression)
         if self.name is None:
@@ -364,10 +369,12 @@ class Compressor:
         key = (numel, dtype, device, world_size)
         with self._lock:
             pool = self._pool.setdefault(key, [])
+            self._pool[key] = self._pool.pop(key)  # most recently used last
             for ws in pool:
                 if not ws.busy:
                     ws.busy = True
                     return ws
+            self._evict()
         chunk = self.fmt.chunk_numel(numel, world_size)
         record = self.fmt.record_bytes(chunk)
         acc_dtype = accumulation_dtype(dtype)
@@ -390,6 +397,15 @@ class Compressor:
     def release(self, ws: Workspace) -> None:
         with self._lock:
             ws.busy = False
+
+    def _evict(self) -> None:
+        """With the lock held, before allocating a new shape: drop idle workspaces of the least recently used shapes
+        beyond :attr:`MAX_SHAPES` (OSP's stages change size with the layers a step selects; a fixed layout such as a
+        gradient buffer keeps its one workspace)."""
+        for key in list(self._pool)[: max(0, len(self._pool) - self.MAX_SHAPES)]:
+            self._pool[key] = [ws for ws in self._pool[key] if ws.busy]
+            if not self._pool[key]:
+                del self._pool[key]
 
     def workspaces(self) -> int:
         """How many workspaces exist (tests: buffers are reused, not reallocated per sync)."""
