@@ -1,6 +1,6 @@
 """Compressed synchronization (``compression=None | "bf16" | "int8"``): bytes and time per step, and accuracy.
 
-    python benchmarks/compression.py                       # both parts, about 6 minutes on 2 CPU cores
+    python benchmarks/compression.py                       # speed and accuracy, about 8 minutes on 2 CPU cores
     python benchmarks/compression.py --part speed          # only the bytes/time table
     python benchmarks/compression.py --part accuracy --seeds 0 1 2
     python benchmarks/compression.py --part accuracy --strategies localsgd,asp,osp --seeds 0
@@ -17,7 +17,9 @@ float32) on digits (batch 32 per rank), ``--world`` ranks (default 4) at an emul
 ``1gbit,1ms``), BSP (gradients every step) and local SGD (``period=8``), each with fp32, bf16 and int8 syncs, one
 after another in the same processes. Per row: bytes rank 0 sent per step (``sync/bytes_sent`` / steps) and the
 mean wall time of a training step after the first ``--skip`` steps (workspaces and the first collectives of a
-shape are set up there; local SGD's averaging steps are included in the mean). Several processes share the 2 cores
+shape are set up there; local SGD's averaging steps are included in the mean), and the seconds per step rank 0 was
+blocked communicating (``sync/blocked_s`` / steps: the collectives, their emulated transfers and, compressed, the
+encoding and decoding; all steps, setup included). Several processes share the 2 cores
 of the development machine, and the encode/decode of a compressed all-reduce is CPU work they compete for: the
 times are noisy and CPU-bound; the bytes are exact.
 
@@ -174,19 +176,24 @@ def _speed_table(tmp: str, world: int, link: str, epochs: int, skip: int) -> Non
         f"\n## Compressed syncs: WideMLP (~4.3M params), digits, batch 32 x {world} ranks, link {link}, "
         f"{epochs} epochs (step time: mean over the steps after the first {skip}, syncs included)"
     )
-    print("| strategy | compression | steps | bytes sent / step (rank 0) | vs fp32 | s / step | vs fp32 |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| strategy | compression | steps | bytes sent / step (rank 0) | vs fp32 | s / step | vs fp32 "
+        "| blocked s / step | vs fp32 |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in ("BSP", "local SGD(p=8)"):
         base = speed[f"{name}/None"]
         base_bytes = base["bytes_sent"] / base["steps"]
         base_step = statistics.mean(base["step_s"][skip:])
+        base_blocked = base["blocked_s"] / base["steps"]
         for compression in COMPRESSIONS:
             r = speed[f"{name}/{compression}"]
             per_step = r["bytes_sent"] / r["steps"]
             step = statistics.mean(r["step_s"][skip:])
+            blocked = r["blocked_s"] / r["steps"]
             print(
                 f"| {name} | {_label(compression)} | {r['steps']} | {per_step:,.0f} | {per_step / base_bytes:.3f} "
-                f"| {step:.4f} | {step / base_step:.2f} |"
+                f"| {step:.4f} | {step / base_step:.2f} | {blocked:.4f} | {blocked / base_blocked:.2f} |"
             )
 
 
@@ -222,7 +229,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("speed", "accuracy", "sum", "both"), default="both")
     parser.add_argument("--world", type=int, default=4, help="ranks of the speed and sum parts")
     parser.add_argument("--link", default="1gbit,1ms", help="emulated link of the speed part")
-    parser.add_argument("--speed-epochs", type=int, default=2)
+    parser.add_argument("--speed-epochs", type=int, default=3)
     parser.add_argument("--skip", type=int, default=3, help="first steps of each run left out of the step time")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=6, help="epochs of the accuracy part")
