@@ -11,7 +11,10 @@
   sync checks that the ranks agree); for the synchronous strategies the replicas are compared after every step by an
   independent probe and are bit-identical after every sync; every strategy but SelSync (no averaging at the end)
   hands back identical models.
-* **two GPUs, NCCL**: two ranks, one GPU each, BSP, SelSync, OSP and ALADDIN; BSP's replicas end bit-identical.
+* **two GPUs, NCCL**: two ranks, one GPU each, BSP, SelSync, OSP and ALADDIN; BSP's replicas end bit-identical;
+  so do BSP's with bf16 compression and OSP's with int8 (compressed all-reduce over NCCL);
+* the compressed all-reduce's per-rank stages on CUDA tensors give the CPU's result (up to float32 rounding: CUDA
+  may fuse a multiply-add that the CPU rounds twice).
 
 What differs on CUDA (read from torch 2.14 / Lightning 2.6): ``Communicator`` synchronises the current stream after
 a blocking NCCL collective only (``_cuda``), to charge its real duration as blocked time. With gloo and CUDA tensors
@@ -198,18 +201,44 @@ def test_two_ranks_share_one_gpu_over_gloo(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ two GPUs, over NCCL
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+def test_compressed_all_reduce_stages_on_cuda_equal_the_cpu(name):
+    from test_compression import _inputs, simulate
+
+    from lightning_sync.comm.compression import Compressor
+
+    cpu = [Compressor(name) for _ in range(3)]
+    gpu = [Compressor(name) for _ in range(3)]
+    fb_cpu = [c.feedback("x", 5000, torch.float32, torch.device("cpu")) for c in cpu]
+    fb_gpu = [c.feedback("x", 5000, torch.float32, torch.device("cuda")) for c in gpu]
+    for step in range(3):
+        xs = _inputs(3, 5000, seed=step)
+        expected = simulate(cpu, [x.clone() for x in xs], fb_cpu)[0]
+        got = simulate(gpu, [x.cuda() for x in xs], fb_gpu)[0]
+        assert torch.allclose(got.cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
+COMPRESSED = {"bsp+bf16": ("bsp", "bf16"), "osp+int8": ("osp", "int8")}
+
+
 def _two_gpus(rank: int, out_dir: str) -> None:
     import lightning.pytorch as pl
 
     import lightning_sync  # noqa: F401
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.models import DigitsCNN
+    from lightning_sync.strategies import BSPStrategy, OSPStrategy
 
     res = {}
-    for name in ("bsp", "selsync", "osp", "aladdin"):
+    for name in ("bsp", "selsync", "osp", "aladdin", *COMPRESSED):
         pl.seed_everything(0)
         where = _where_it_trains()
-        trainer = _trainer(name, 2, callbacks=(where,))
+        if name in COMPRESSED:
+            kind, compression = COMPRESSED[name]
+            make = BSPStrategy if kind == "bsp" else OSPStrategy
+            trainer = _trainer(make(compression=compression, verify_sync=True), 2, callbacks=(where,))
+        else:
+            trainer = _trainer(name, 2, callbacks=(where,))
         model = DigitsCNN()
         trainer.fit(model, DigitsDataModule(batch_size=32))
         flat = torch.cat(
@@ -228,7 +257,9 @@ def _two_gpus(rank: int, out_dir: str) -> None:
 def test_two_ranks_over_nccl(tmp_path):
     run_external(_two_gpus, 2, str(tmp_path))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for name in ("bsp", "selsync", "osp", "aladdin"):
+    for name in ("bsp", "selsync", "osp", "aladdin", *COMPRESSED):
         assert res[0][name]["backend"] == "nccl" and res[0][name]["bytes"] > 0
         assert res[0][name]["devices"] == res[1][name]["devices"] == ["cuda"]
-    assert res[0]["bsp"]["checksum"] == res[1]["bsp"]["checksum"]
+    for name in ("bsp", *COMPRESSED):
+        assert res[0][name]["checksum"] == res[1][name]["checksum"]
+    assert res[0]["bsp+bf16"]["bytes"] < 0.6 * res[0]["bsp"]["bytes"]

@@ -18,6 +18,9 @@ from a checkpoint of the same run, then the tests compare them:
 * **Sync-Switch** (BSP for the first half of the workload, then ASP): a checkpoint in the BSP phase resumes exactly
   (the switch happens at the same step and position, with bit-identical replicas); one in the ASP phase restores the
   state exactly, as the asynchronous strategies.
+* **Compressed** (``compression="int8"``: per-rank error-feedback residuals, and the reference of compressed parameter
+  averaging): BSP and local SGD resume exactly like their uncompressed runs, ASP restores its state (the push
+  residuals included) exactly.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ BATCH = 64
 TIMEOUT = timedelta(seconds=120)
 EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco")
 ASYNC = ("asp", "ssp", "aladdin")
+#: compressed cases (int8: residuals and the averaging reference are per-rank state), run like EXACT and ASYNC
+COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8")
+COMPRESSED_ASYNC = ("asp_int8",)
 #: state entries that are wall-clock measurements, not trajectory (per-tag blocked seconds, measured times)
 TIME_KEYS = frozenset({"blocked_seconds", "blocked_s", "seconds", "ics_wait_s", "overlap"})
 #: state lists that hold a measured time beside trajectory values: the indices that are not times
@@ -63,6 +69,9 @@ def _strategy(name: str):
         "ssp": lambda: S.SSPStrategy(staleness=2, **common),
         "aladdin": lambda: S.ALADDINStrategy(period=2, **common),
         "sync_switch": lambda: S.SyncSwitchStrategy(**sync),
+        "bsp_int8": lambda: S.BSPStrategy(compression="int8", **sync),
+        "localsgd_int8": lambda: S.LocalSGDStrategy(period=3, compression="int8", **sync),
+        "asp_int8": lambda: S.ASPStrategy(compression="int8", **common),
     }[name]()
 
 
@@ -148,7 +157,7 @@ def _suite(rank: int, out_dir: str) -> None:
     res["steps_per_epoch"] = steps_per_epoch
 
     # deterministic strategies: a checkpoint at step C, in the middle of the second epoch
-    for name in EXACT:
+    for name in EXACT + COMPRESSED_EXACT:
         ckdir = out / f"ckpt_{name}"
         at = steps_per_epoch + steps_per_epoch // 2
         mc = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=at, save_top_k=-1, filename="{step}")
@@ -161,7 +170,7 @@ def _suite(rank: int, out_dir: str) -> None:
         res[f"{name}_ckpt_step"] = at
 
     # asynchronous strategies: a checkpoint at the end of the first epoch
-    for name in ASYNC:
+    for name in ASYNC + COMPRESSED_ASYNC:
         ckdir = out / f"ckpt_{name}"
         mc = ModelCheckpoint(dirpath=ckdir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
         fit(name, "full", [mc])
@@ -241,7 +250,7 @@ def test_the_suite_covers_every_strategy():
     assert {cls.strategy_name for cls in STRATEGIES} == {*EXACT, *ASYNC, "sync_switch"}
 
 
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name", EXACT + COMPRESSED_EXACT)
 def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(suite, name):
     out, res = suite
     spe, at = res[0]["steps_per_epoch"], res[0][f"{name}_ckpt_step"]
@@ -272,7 +281,7 @@ def test_diloco_checkpoint_holds_the_fragment_in_flight_and_the_outer_state(suit
         assert outer["steps"] > 0 and float(outer["momentum_buffers"][0].abs().max()) > 0
 
 
-@pytest.mark.parametrize("name", ASYNC)
+@pytest.mark.parametrize("name", ASYNC + COMPRESSED_ASYNC)
 def test_asynchronous_strategy_restores_server_replicas_and_counters_exactly(suite, name):
     out, _ = suite
     steps = {}
@@ -294,6 +303,26 @@ def test_asynchronous_strategy_restores_server_replicas_and_counters_exactly(sui
     assert main["lightning_sync"]["world_size"] == WORLD
     # every batch is trained exactly once per epoch whatever rank took it: the totals over the ranks agree
     assert steps["resumed"] == steps["full"]
+
+
+@pytest.mark.parametrize("name", COMPRESSED_EXACT + COMPRESSED_ASYNC)
+def test_compressed_checkpoint_parts_hold_the_error_feedback_residuals(suite, name):
+    out, res = suite
+    ckpt = f"step={res[0][f'{name}_ckpt_step']}.ckpt" if name in COMPRESSED_EXACT else "epoch=0.ckpt"
+    parts = [_part(out, name, ckpt, rank)["strategy_state"]["compression"] for rank in range(WORLD)]
+    for part in parts:
+        streams = part["residuals"]["feedback"]
+        assert part["residuals"]["compression"] == "int8" and streams
+        assert all(float(s["worker"].abs().sum()) > 0 for s in streams.values())  # something was carried over
+    # the residuals are each rank's own (ASP's are per remote server: push/<other rank>); the reference of parameter
+    # averaging is the same on every rank
+    mine, theirs = parts[0]["residuals"]["feedback"], parts[1]["residuals"]["feedback"]
+    for key in set(mine) & set(theirs):
+        assert not torch.equal(mine[key]["worker"], theirs[key]["worker"])
+    if name == "localsgd_int8":
+        assert all(torch.equal(a, b) for a, b in zip(parts[0]["reference"], parts[1]["reference"]))
+    else:
+        assert parts[0]["reference"] is None  # BSP and ASP never average parameters
 
 
 def test_sync_switch_resumed_in_the_bsp_phase_switches_at_the_same_point_with_identical_replicas(suite):

@@ -376,6 +376,12 @@ def base_specs(parameter_server: bool = False) -> dict[str, Arg]:
             edges_invalid=("", ",", "1gbit,", "0gbit,1ms", "1gbit,-1ms", 1e9, True),
         ),
         "verify_sync": bool_arg("verify_sync"),
+        "compression": choice_arg(
+            "compression",
+            (None, "bf16", "fp16", "int8"),
+            r"compression must be None, 'bf16', 'fp16' or 'int8'",
+            note="what the tensors can take (floating point; a cast narrower than the data) is checked at setup",
+        ),
         "injection": injection,
         "injection_seed": int_arg("injection_seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         "accelerator": Arg(
@@ -576,6 +582,14 @@ SPECS: dict[type, dict[str, Arg]] = {
     ),
     DiLoCoStrategy: _with(
         base_specs(),
+        compression=Arg(
+            allowed="None (the fragment all-reduces are not compressed: LocalSGDStrategy with an outer optimizer is)",
+            valid=st.none(),
+            invalid=st.one_of(st.sampled_from(["bf16", "fp16", "int8", "BF16", ""]), st.integers(), _ANY_FLOAT, _JUNK),
+            message=r"compression must be None",
+            edges_valid=(None,),
+            edges_invalid=("bf16", "int8"),
+        ),
         sync_every=int_arg("sync_every", 1),
         outer_optimizer=_OUTER,
         fragments=Arg(

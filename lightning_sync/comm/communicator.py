@@ -9,6 +9,8 @@ handle that carries it.
 from __future__ import annotations
 
 import pickle
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,8 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
-from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
-from lightning_sync.comm.fault import default_timeout, failures, reset
+from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
+from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, compressed_allreduce_bytes
+from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
 from lightning_sync.comm.link import LinkClock, LinkModel
 
 _OPS = {
@@ -85,6 +88,70 @@ class CommHandle:
         self._stats.record_blocked(self._tag, self.completed_at - start)
 
 
+class _Job:
+    """An operation run by a :class:`_Driver`: quacks like a ``torch.distributed`` ``Work`` (``wait``,
+    ``is_completed``); ``wait`` re-raises what the operation raised."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            self._error = err
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class _Driver:
+    """One thread that runs a communicator's asynchronous compressed all-reduces, one after another in launch order,
+    on a process group of their own.
+
+    A compressed all-reduce is two collectives with computation between them (decode, sum, encode), so it cannot be
+    one backend ``Work``. Run from this thread on a dedicated group, its collectives keep the same order on every
+    rank whatever the training thread does meanwhile (its own blocking collectives on the communicator's group), and
+    both stages overlap the training thread's compute. Its link emulation shares the rank's
+    :class:`~lightning_sync.comm.link.LinkClock`; its waits are not charged as blocked time (the training thread
+    is charged when it waits on the handle)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"compressed-allreduce-{comm.rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.run()
+
+    def submit(self, fn: Callable[[], None]) -> _Job:
+        job = _Job(fn)
+        self._jobs.put(job)
+        return job
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Let the queued operations finish, stop the thread and destroy the driver's group. A thread still inside
+        a collective after ``timeout`` (a peer failed mid-operation) is left to the exit path's linger, with its
+        group (destroying a group under a waiting thread can abort the process)."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            wait_at_exit(self._thread)
+            return
+        self.comm.destroy()
+
+
 class Communicator:
     """Collectives over one process group, with accounting and optional link emulation.
 
@@ -111,6 +178,9 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
+        self._driver: _Driver | None = None
+        #: whether waits are charged as blocked time (a driver's communicator runs off the training thread: no)
+        self._charge_blocked = True
         if group is None:
             reset()
 
@@ -134,20 +204,33 @@ class Communicator:
         )
 
     def destroy(self) -> None:
-        """Destroy this communicator's own group (never the default group)."""
+        """Destroy this communicator's own group (never the default group), and its driver's."""
+        self.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
 
+    def close(self) -> None:
+        """Stop the driver thread of asynchronous compressed all-reduces, if one was started (idempotent)."""
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            driver.close()
+
     # ------------------------------------------------------------------ internals
-    def _finish_blocking(self, tag: str, start: float, nbytes: int) -> None:
-        """A blocking operation's real collective has returned: its emulated transfer follows (sharing this rank's
-        link with any transfer in flight), then the time since ``start`` is charged as blocked."""
+    def _emulate(self, nbytes: int) -> None:
+        """A real collective has returned: wait for the device, then for its emulated transfer (sharing this rank's
+        link with any transfer in flight)."""
         if self._cuda:
             torch.cuda.current_stream().synchronize()
         if self.clock is not None:
             self.clock.sleep_until_complete(self.clock.start(nbytes, time.perf_counter()))
-        self.stats.record_blocked(tag, time.perf_counter() - start)
+
+    def _finish_blocking(self, tag: str, start: float, nbytes: int) -> None:
+        """A blocking operation's real collective has returned: its emulated transfer follows (sharing this rank's
+        link with any transfer in flight), then the time since ``start`` is charged as blocked."""
+        self._emulate(nbytes)
+        if self._charge_blocked:
+            self.stats.record_blocked(tag, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Tensor, op: str = "sum", tag: str = "other", async_op: bool = False) -> CommHandle:
@@ -183,6 +266,100 @@ class Communicator:
         handles = [self.all_reduce(t, op=op, tag=tag, async_op=True) for t in tensors]
         for h in handles:
             h.wait()
+
+    def all_reduce_compressed(
+        self,
+        tensor: Tensor,
+        compressor: Compressor,
+        op: str = "avg",
+        tag: str = "other",
+        async_op: bool = False,
+        feedback: ErrorFeedback | FeedbackView | None = None,
+        divisor: float | None = None,
+        contribute: bool = True,
+    ) -> CommHandle:
+        """All-reduce the flat tensor ``tensor`` in place in ``compressor``'s wire format: an all-to-all of encoded
+        chunks, the sum of each chunk at its owner in fp32 (fp64 for float64), an all-gather of the encoded sums
+        (:mod:`lightning_sync.comm.compression`). The result is identical on every rank.
+
+        ``op="avg"`` divides the sum by the world size, ``"sum"`` does not; ``divisor`` divides by that instead (in
+        the accumulation dtype, before the second encoding). ``feedback`` (int8) is the stream's error-feedback
+        state; ``contribute=False`` sends zeros (``tensor``'s values are ignored) and leaves the worker residual.
+        Bytes recorded, per collective: :func:`~lightning_sync.comm.cost.compressed_allreduce_bytes`.
+
+        ``async_op=True`` returns a handle at once: the operation runs on this communicator's driver thread, on a
+        process group of its own created at the first asynchronous call (every rank must make that call at the
+        same point, and the communicator must span the world); ``tensor`` must not be touched until the handle
+        is waited on. A contiguous slice of a larger flat buffer is fine (a bucket)."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg' for a compressed all-reduce, got {op!r}")
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError("all_reduce_compressed needs a flat (1-D) contiguous tensor (a flat buffer or a slice)")
+        div = divisor if divisor is not None else (float(self.world_size) if op == "avg" else None)
+        fmt = compressor.fmt
+        a2a, ag = compressed_allreduce_bytes(
+            tensor.numel(), fmt.element_size, self.world_size, fmt.block, fmt.scale_bytes
+        )
+        self.stats.record_launch(tag, a2a, blocking=not async_op)
+        self.stats.record_launch(tag, ag, blocking=not async_op)
+        what = f"compressed all_reduce ({tag})"
+        if self.world_size == 1 or tensor.numel() == 0:
+            if not contribute:
+                tensor.zero_()
+            elif div is not None and div != 1:
+                tensor.div_(div)
+            handle = CommHandle(None, self.stats, tag)
+            handle._done = True
+            return handle
+        if async_op:
+            driver = self._start_driver()
+            job = driver.submit(
+                lambda: driver.comm._compressed(tensor, compressor, div, feedback, contribute, tag, (a2a, ag))
+            )
+            return CommHandle(job, self.stats, tag, what=f"asynchronous {what}")
+        with failures(what):
+            self._compressed(tensor, compressor, div, feedback, contribute, tag, (a2a, ag))
+        handle = CommHandle(None, self.stats, tag)
+        handle._done = True
+        return handle
+
+    def _compressed(
+        self,
+        tensor: Tensor,
+        compressor: Compressor,
+        divisor: float | None,
+        feedback: ErrorFeedback | FeedbackView | None,
+        contribute: bool,
+        tag: str,
+        nbytes: tuple[int, int],
+    ) -> None:
+        """The three stages and two collectives of a compressed all-reduce, blocking, on this group."""
+        start = time.perf_counter()
+        ws = compressor.acquire(tensor.numel(), tensor.dtype, tensor.device, self.world_size)
+        try:
+            compressor.stage_encode(ws, tensor, feedback, contribute)
+            dist.all_to_all_single(ws.recv, ws.send, group=self.group)
+            self._emulate(nbytes[0])
+            compressor.stage_reduce(ws, self.rank, divisor, feedback)
+            _all_gather_single(ws.recv, ws.mine, group=self.group)
+            self._emulate(nbytes[1])
+            compressor.stage_decode(ws, tensor)
+        finally:
+            compressor.release(ws)
+        if self._charge_blocked:
+            self.stats.record_blocked(tag, time.perf_counter() - start)
+
+    def _start_driver(self) -> _Driver:
+        if self._driver is None:
+            if self.world_size != dist.get_world_size():
+                raise RuntimeError(
+                    "an asynchronous compressed all-reduce needs a communicator over all ranks (its driver's process "
+                    "group is created by every rank); on a subgroup use the blocking form (async_op=False)"
+                )
+            comm = self.split()  # collective over the world: every rank reaches its first asynchronous call here
+            comm._charge_blocked = False
+            self._driver = _Driver(comm)
+        return self._driver
 
     def broadcast(self, tensor: Tensor, src: int = 0, tag: str = "other") -> None:
         """Blocking broadcast. Every rank's emulated delay is charged on the payload: each rank receives or
@@ -258,6 +435,12 @@ class Communicator:
                 else:
                     dist.barrier(group=self.group)
         self._finish_blocking(tag, start, 0)
+
+
+def _all_gather_single(output: Tensor, input_: Tensor, group: Any = None) -> None:
+    """``all_gather_single`` (torch >= 2.14) or its older name ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input_, group=group)
 
 
 def destroy_default_group() -> None:

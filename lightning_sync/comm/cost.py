@@ -13,6 +13,12 @@ These are the numbers the accounting records and the link emulation charges for.
   rooted at ``src``; over all ranks that is :math:`(N-1)B`.
 * **all-gather**: ring, :math:`(N-1)B_{local}` per rank.
 * **barrier**: no payload.
+* **all-to-all** (equal splits): a rank sends its ``N − 1`` blocks for the others directly (its own stays local),
+  :math:`(N-1)B_{block}` per rank, gloo and NCCL alike.
+* **compressed all-reduce** (:mod:`lightning_sync.comm.compression`): an all-to-all of ``N`` encoded chunks then
+  an all-gather of one, so :math:`2(N-1)` records of ``c`` elements per rank, ``c = ⌈numel/N⌉`` rounded up to the
+  int8 block (256) when quantised; a record is ``c`` times the wire element size plus one 4-byte scale per block.
+  Padding is counted: it is sent.
 
 Nothing here imports ``torch.distributed``; the functions are pure and tested in-process.
 """
@@ -81,3 +87,33 @@ def broadcast_bytes(nbytes: int, world_size: int, rank: int, src: int) -> int:
 def allgather_bytes(local_nbytes: int, world_size: int) -> int:
     """Ring all-gather: each rank forwards ``N-1`` blocks of ``local_nbytes``."""
     return max(0, world_size - 1) * local_nbytes
+
+
+def alltoall_bytes(block_nbytes: int, world_size: int) -> int:
+    """All-to-all with equal splits: each rank sends ``N-1`` blocks of ``block_nbytes`` (its own block stays)."""
+    return max(0, world_size - 1) * block_nbytes
+
+
+def compressed_chunk_numel(numel: int, world_size: int, block: int = 1) -> int:
+    """Elements of one rank's chunk in a compressed all-reduce: ``⌈numel / N⌉`` rounded up to ``block``."""
+    if numel <= 0 or world_size <= 0:
+        return 0
+    return _round_up(math.ceil(numel / world_size), block)
+
+
+def compressed_record_bytes(numel: int, element_size: int, block: int = 1, scale_bytes: int = 0) -> int:
+    """Bytes of ``numel`` encoded elements: ``numel`` wire elements plus one scale per started block (when
+    ``scale_bytes``)."""
+    scales = math.ceil(numel / block) if scale_bytes else 0
+    return numel * element_size + scales * scale_bytes
+
+
+def compressed_allreduce_bytes(
+    numel: int, element_size: int, world_size: int, block: int = 1, scale_bytes: int = 0
+) -> tuple[int, int]:
+    """Bytes a rank sends in a compressed all-reduce, as ``(all-to-all, all-gather)``: each is
+    :math:`(N-1)` records of one chunk (:func:`compressed_chunk_numel`, :func:`compressed_record_bytes`)."""
+    if world_size <= 1 or numel <= 0:
+        return 0, 0
+    record = compressed_record_bytes(compressed_chunk_numel(numel, world_size, block), element_size, block, scale_bytes)
+    return alltoall_bytes(record, world_size), allgather_bytes(record, world_size)

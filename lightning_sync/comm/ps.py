@@ -30,6 +30,16 @@ watch threads end before its interpreter shuts down (:func:`~lightning_sync.comm
 daemon thread woken inside a blocking ``torch.distributed`` wait during shutdown aborts the process (SIGABRT,
 measured with 3 ranks).
 
+**Compression** (``compressor``, :mod:`lightning_sync.comm.compression`): a push's payload is the worker's delta
+in the wire format — int8 with error feedback per server (the residual of each remote server's shards, a stream of
+the compressor, so it is checkpointed with the strategy) — and the server decodes it into fp32 and adds it to its
+fp32 shards, which stay the master copy. A pull's payload is the server's parameters in the wire format, without
+error feedback (a pull replaces the replica, nothing accumulates to feed back): the worker's replica then holds the
+global parameters **rounded to the wire format** — nearest bf16/fp16, or int8 with one scale per 256 elements (error
+at most half a step, ``max|x| / 254`` of its block) — while the servers keep them exact. What a rank exchanges with
+its own server is not sent and stays exact, and so does the all-gather of the global model at meeting points
+(validation, checkpoints, fit end).
+
 Accounting goes to the rank's :class:`~lightning_sync.comm.accounting.CommStats`: ``push`` (worker → server
 payloads), ``pull`` (server → worker payloads, counted on the server's rank), ``ps_control`` (header-only
 messages) and ``work`` (work-assignment claims). Bytes are the message sizes actually sent; seconds blocked are
@@ -51,6 +61,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import Communicator
+from lightning_sync.comm.compression import Compressor, decode, encode
 from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure, wait_at_exit
 from lightning_sync.comm.link import LinkModel
 from lightning_sync.core.ps import Reply, ShardPlan, ShardServer
@@ -171,7 +182,8 @@ class ParameterServer:
         stats: the rank's accounting.
         link: optional link emulation: the receiving thread delays each message by ``latency + bytes/bandwidth``.
         timeout: how long the training thread waits for a reply or acknowledgement before raising.
-        dtype: element type of the payloads.
+        dtype: element type of the parameters (and of the payloads without compression).
+        compressor: optional compression of the pushes and pulls (see the module docstring).
 
     Every rank must construct it at the same point (it creates two process groups).
     """
@@ -184,6 +196,7 @@ class ParameterServer:
         link: LinkModel | None = None,
         timeout: timedelta = timedelta(minutes=30),
         dtype: torch.dtype = torch.float32,
+        compressor: Compressor | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParameterServer needs an initialised torch.distributed default process group")
@@ -194,6 +207,7 @@ class ParameterServer:
         self.link = link
         self.timeout = timeout
         self.dtype = dtype
+        self.compressor = compressor
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if plan.world_size != self.world_size:
@@ -208,8 +222,12 @@ class ParameterServer:
         self._server_lock = threading.Lock()
         # worker side: send buffers per remote server, inbox per server
         self._send_bufs = {
-            s: torch.empty(HEADER_BYTES + plan.numel(s) * self.elsize, dtype=torch.uint8) for s in self.servers
+            s: torch.empty(HEADER_BYTES + self.payload_bytes(plan.numel(s)), dtype=torch.uint8) for s in self.servers
         }
+        # compression: each remote server's shards of a push in fp32 before encoding (persistent, reused)
+        self._push_scratch = (
+            {s: torch.empty(plan.numel(s), dtype=dtype) for s in self.remote_servers} if compressor is not None else {}
+        )
         self._ctrl_bufs = {s: torch.empty(HEADER_BYTES, dtype=torch.uint8) for s in self.peers}
         self._pending_sends: list[tuple[Any, str, int]] = []
         self._local_buf = torch.empty(plan.numel(self.rank), dtype=dtype)  # this rank's shards of a push
@@ -238,6 +256,12 @@ class ParameterServer:
         ]
         for t in self._threads:
             t.start()
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of a parameter payload of ``numel`` elements on the wire (compressed when compressing)."""
+        if self.compressor is None:
+            return numel * self.elsize
+        return self.compressor.fmt.record_bytes(numel)
 
     # ------------------------------------------------------------------ threads
     def _guard(self, fn: Any, *args: Any) -> Any:
@@ -271,9 +295,13 @@ class ParameterServer:
             time.sleep(self.link.delay(nbytes))
 
     def _serve(self) -> None:
-        size = HEADER_BYTES + self.plan.numel(self.rank) * self.elsize
+        numel = self.plan.numel(self.rank)
+        size = HEADER_BYTES + self.payload_bytes(numel)
         buf = torch.empty(max(size, HEADER_BYTES), dtype=torch.uint8)
-        payload = buf[HEADER_BYTES:size].view(self.dtype)
+        if self.compressor is None:
+            payload = buf[HEADER_BYTES:size].view(self.dtype)
+        else:
+            payload = torch.empty(numel, dtype=self.dtype)  # the decoded delta
         while self._stops < len(self.peers):
             work = dist.irecv(buf, src=None, group=self.push_group)
             work.wait()
@@ -281,6 +309,8 @@ class ParameterServer:
             kind, epoch, flag, _ = _read_header(buf)
             self._delay(size if kind == PUSH else HEADER_BYTES)
             if kind == PUSH:
+                if self.compressor is not None:
+                    decode(self.compressor.fmt, buf[HEADER_BYTES:size], payload)
                 with self._server_lock:
                     replies = self.server.push(src, payload, epoch, want_reply=bool(flag))
                     self._dispatch(replies)
@@ -308,8 +338,9 @@ class ParameterServer:
 
     def _send_replies(self) -> None:
         numel = self.plan.numel(self.rank)
-        buf = torch.empty(HEADER_BYTES + numel * self.elsize, dtype=torch.uint8)
-        payload = buf[HEADER_BYTES:].view(self.dtype)
+        buf = torch.empty(HEADER_BYTES + self.payload_bytes(numel), dtype=torch.uint8)
+        payload = buf[HEADER_BYTES:].view(self.dtype) if self.compressor is None else buf[HEADER_BYTES:]
+        scratch = torch.empty(numel if self.compressor is not None else 0, dtype=self.dtype)  # int8's encoding
         while True:
             item = self._outbox.get()
             if item is None:
@@ -318,7 +349,10 @@ class ParameterServer:
             _header(buf, kind, alpha=alpha)
             if kind == PARAMS:
                 assert params is not None
-                payload.copy_(params)
+                if self.compressor is None:
+                    payload.copy_(params)
+                else:
+                    encode(self.compressor.fmt, params, payload, scratch=scratch, what="the pulled parameters")
                 msg, tag = buf, "pull"
             else:
                 msg, tag = buf[:HEADER_BYTES], "ps_control"
@@ -326,8 +360,8 @@ class ParameterServer:
             dist.send(msg, dst=worker, group=self.pull_group)
 
     def _receive_mail(self) -> None:
-        largest = max([self.plan.numel(s) for s in self.remote_servers], default=0)
-        buf = torch.empty(HEADER_BYTES + largest * self.elsize, dtype=torch.uint8)
+        largest = max([self.payload_bytes(self.plan.numel(s)) for s in self.remote_servers], default=0)
+        buf = torch.empty(HEADER_BYTES + largest, dtype=torch.uint8)
         while self._closes < len(self.peers):
             work = dist.irecv(buf, src=None, group=self.pull_group)
             work.wait()
@@ -335,9 +369,14 @@ class ParameterServer:
             kind, _, _, alpha = _read_header(buf)
             if kind == PARAMS:
                 numel = self.plan.numel(src)
-                self._delay(HEADER_BYTES + numel * self.elsize)
+                nbytes = self.payload_bytes(numel)
+                self._delay(HEADER_BYTES + nbytes)
                 with self._mail:
-                    self._inbox[src].copy_(buf[HEADER_BYTES : HEADER_BYTES + numel * self.elsize].view(self.dtype))
+                    payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes]
+                    if self.compressor is None:
+                        self._inbox[src].copy_(payload.view(self.dtype))
+                    else:
+                        decode(self.compressor.fmt, payload, self._inbox[src])
                     self._deliver(src, alpha)
                 continue
             self._delay(HEADER_BYTES)
@@ -389,7 +428,14 @@ class ParameterServer:
         for s in self.remote_servers:
             buf = self._send_bufs[s]
             _header(buf, PUSH, epoch, int(want_reply))
-            self.plan.gather(delta, s, out=buf[HEADER_BYTES:].view(self.dtype))
+            if self.compressor is None:
+                self.plan.gather(delta, s, out=buf[HEADER_BYTES:].view(self.dtype))
+            else:
+                shards = self.plan.gather(delta, s, out=self._push_scratch[s])
+                feedback = self.compressor.feedback(f"push/{s}", shards.numel(), shards.dtype, shards.device)
+                residual = None if feedback is None else feedback.worker
+                # the gathered shards serve as the encoding's scratch once the residual holds delta + residual
+                encode(self.compressor.fmt, shards, buf[HEADER_BYTES:], residual, scratch=shards, what="the delta")
             self.stats.record_launch("push", buf.numel(), blocking=wait)
             self._pending_sends.append((dist.isend(buf, dst=s, group=self.push_group), "push", s))
         if self.rank in self.servers:

@@ -45,11 +45,18 @@ from lightning_sync.comm import (
     report_failure,
 )
 from lightning_sync.comm.buckets import GradBuckets
+from lightning_sync.comm.compression import Compressor, check_compression
 from lightning_sync.core import StepCounter
 from lightning_sync.core.outer import OuterOptimizer, OuterSGD
 from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
-from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
+from lightning_sync.strategies.checks import (
+    START_METHODS,
+    check_compressible_state,
+    check_ddp_arguments,
+    check_link,
+    check_supported,
+)
 from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.sigterm import SigtermCheck
@@ -81,6 +88,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             :class:`~lightning_sync.strategies.injection.DataInjector`). Available on every strategy but the
             parameter-server ones.
         injection_seed: seed of the sharing ranks' draw, an integer >= 0.
+        compression: what the method's syncs send: ``None`` (the data's own dtype), ``"bf16"`` or ``"fp16"`` (2
+            bytes per element) or ``"int8"`` (1 byte per element plus a 4-byte scale per 256, with error feedback):
+            parameter averaging (as the change since the last average), gradient averaging, OSP's two stages and the
+            parameter server's pushes and pulls (:mod:`lightning_sync.comm.compression`). Sums are taken in fp32.
+            Small control collectives (votes, statistics, SIGTERM flags), floating buffers averaged with gradients,
+            the setup broadcast, checkpoints and the parameter server's meeting-point gathers stay exact.
         start_method: how Lightning launches processes when it launches them: ``"popen"``, ``"spawn"`` (default),
             ``"fork"`` or ``"forkserver"``; ignored under torchrun/SLURM, which start the processes themselves.
         timeout: collective timeout, a ``timedelta`` > 0, or ``None`` for torch's default.
@@ -126,6 +139,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         verify_sync: bool = False,
         injection: tuple[float, float] | None = None,
         injection_seed: int = 0,
+        compression: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -140,6 +154,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
         injection_seed = check_int("injection_seed", injection_seed, 0)
+        compression = check_compression(compression)
         injector = DataInjector(*injection, seed=injection_seed) if injection else None
         ddp_arguments: dict[str, Any] = dict(
             accelerator=accelerator,
@@ -166,6 +181,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self._part_names: dict[str, str] = {}  # this rank's checkpoint path -> rank 0's, for its part's name
         self._dataloader_transforms: list[DataLoaderTransform] = []
         self.injector: DataInjector | None = injector
+        self.compression: str | None = compression
+        #: the compression's wire format, buffers and error-feedback residuals (``None`` without compression)
+        self.compressor: Compressor | None = Compressor(compression) if compression is not None else None
+        #: compressed parameter averaging: the last average (identical on every rank), what the next one is taken
+        #: relative to (average = reference + the compressed average of each rank's change since)
+        self._reference: list[Tensor] | None = None
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
         self._sigterm_buf: Tensor | None = None
         self._restored_comm: dict[str, Any] | None = None
@@ -236,6 +257,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 self.comm.broadcast(tensor, src=0, tag="setup")
         if self.outer_config is not None:  # the global parameters start as the (identical) replicas; or restored
             self.outer = OuterOptimizer(self.outer_config, [g.state[: g.param_numel] for g in self._flat.groups])
+        self._setup_compression()
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
             self._restored_state = None
@@ -243,6 +265,20 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
 
     def _on_flat_ready(self) -> None:
         """Subclass hook: the flat state exists and replicas are identical (or restored)."""
+
+    def _averages_state(self) -> bool:
+        """Whether this method averages parameters (:meth:`average_state`): with compression it then keeps the
+        reference copy of the last average. Methods whose replicas never diverge (gradient averaging) do not."""
+        return self.replicas_diverge
+
+    def _setup_compression(self) -> None:
+        """At setup, with the replicas identical: refuse tensors the compression cannot apply to, and take the
+        reference of compressed parameter averaging (a resume overwrites it with the checkpoint's)."""
+        if self.compression is None:
+            return
+        check_compressible_state(self.compression, self.flat, type(self).__name__)
+        if self._averages_state() and self.world_size > 1:
+            self._reference = [t.detach().clone() for t in self.flat.state_tensors()]
 
     # ------------------------------------------------------------------ the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -304,7 +340,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
 
     def _arm_grad_buckets(self) -> None:
         buckets = self._grad_buckets
-        if buckets is None:
+        if buckets is None or self.compressor is not None:
+            # compressed gradient averaging is one compressed all-reduce per flat buffer after backward (buffers
+            # exact, beside it): the buckets' overlap is not combined with compression
             return
         plan = self._overlap_grads()
         if plan is None:
@@ -364,7 +402,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         while the flat buffers hold the mean, before that step (ADPSGD measures the replicas' spread there).
         """
         tensors = self.flat.state_tensors()
-        if participants is None or len(participants) == self.world_size:
+        if self.compressor is not None and self.world_size > 1:
+            self._average_state_compressed(tensors, tag, participants)
+        elif participants is None or len(participants) == self.world_size:
             self.comm.all_reduce_many(tensors, op="avg", tag=tag)
         else:
             if not participants:
@@ -382,8 +422,42 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 if g.param_numel:
                     self.outer.step(g.state[: g.param_numel], index)
             self._updates_since_average = 0
+            if self._reference is not None:  # compressed: the next changes are taken from what every rank now holds
+                for ref, t in zip(self._reference, tensors):
+                    ref.copy_(t)
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
+
+    def _average_state_compressed(self, tensors: list[Tensor], tag: str, participants: list[int] | None) -> None:
+        """Compressed :meth:`average_state`: every rank sends its change since the last average,
+        ``x_i − ref`` (so a cast or int8 rounds the update, not the parameters), the compressed all-reduce averages
+        the changes in fp32 and every rank takes ``ref + mean``, which becomes the new reference. The mean of the
+        replicas is ``ref + mean(x_i − ref)`` exactly for any reference the ranks share; the result is bit-identical
+        on every rank. int8 keeps one error-feedback stream per flat buffer (``state/<i>``)."""
+        assert self.compressor is not None
+        if participants is not None and not participants:
+            raise ValueError("participants must name at least one rank")
+        if self._reference is None:
+            raise RuntimeError(
+                f"{type(self).__name__} averaged parameters with compression but took no reference at setup: "
+                "override _averages_state() to return True"
+            )
+        subset = participants is not None and len(participants) != self.world_size
+        contribute = not subset or self.global_rank in (participants or [])
+        for i, (t, ref) in enumerate(zip(tensors, self._reference)):
+            t.sub_(ref)
+            feedback = self.compressor.feedback(f"state/{i}", t.numel(), t.dtype, t.device)
+            self.comm.all_reduce_compressed(
+                t,
+                self.compressor,
+                op="sum" if subset else "avg",
+                tag=tag,
+                feedback=feedback,
+                divisor=float(len(participants)) if subset and participants else None,
+                contribute=contribute,
+            )
+            t.add_(ref)
+            ref.copy_(t)
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
@@ -406,6 +480,8 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                     f"_overlap_grads() announced for this step ({buckets.key[1]!r})"
                 )
             tensors = buckets.finish(comm)
+        elif self.compressor is not None:
+            tensors = self._average_grads_compressed(comm, tag)
         else:
             flat.stage_buffers()
             tensors = flat.grad_tensors()
@@ -415,6 +491,21 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             self._verify(tensors, "gradients and buffers", comm)
             if verify_update:
                 self._verify_after_update = comm
+
+    def _average_grads_compressed(self, comm: Communicator, tag: str) -> list[Tensor]:
+        """Compressed :meth:`average_grads`: each flat gradient buffer through a compressed all-reduce (int8 with the
+        error-feedback stream ``grads/<i>``); the floating buffers (BatchNorm statistics: state, not increments, and
+        small) in one exact all-reduce of their own. Returns what the sync made identical."""
+        assert self.compressor is not None
+        flat = self.flat
+        grads = flat.grad_tensors(with_buffers=False)
+        for i, t in enumerate(grads):
+            feedback = self.compressor.feedback(f"grads/{i}", t.numel(), t.dtype, t.device)
+            comm.all_reduce_compressed(t, self.compressor, op="avg", tag=tag, feedback=feedback)
+        buffers = [g.buffers for g in flat.groups if g.buffer_numel]
+        if buffers:
+            comm.all_reduce_many(buffers, op="avg", tag=tag)
+        return grads + buffers
 
     def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
         comm = comm if comm is not None else self.comm
@@ -458,6 +549,11 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 "optimizer": self.outer.state_dict(),
                 "updates_since_average": self._updates_since_average,
             }
+        if self.compressor is not None:
+            state["compression"] = {
+                "residuals": self.compressor.state_dict(),
+                "reference": None if self._reference is None else [r.detach().cpu().clone() for r in self._reference],
+            }
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -476,6 +572,20 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         if self.outer is not None and saved_outer is not None:
             self.outer.load_state_dict(saved_outer["optimizer"])
             self._updates_since_average = int(saved_outer["updates_since_average"])
+        self._load_compression_state(state.get("compression"))
+
+    def _load_compression_state(self, saved: dict[str, Any] | None) -> None:
+        if (saved is None) != (self.compressor is None):
+            raise ValueError(
+                f"the checkpoint was written with compression {'off' if saved is None else 'on'}; this run has "
+                f"compression={self.compression!r}. Resume with the compression the checkpoint was written with."
+            )
+        if saved is None or self.compressor is None:
+            return
+        self.compressor.load_state_dict(saved["residuals"])
+        if saved.get("reference") is not None and self._reference is not None:
+            for ref, value in zip(self._reference, saved["reference"]):
+                ref.copy_(value)
 
     # ------------------------------------------------------------------ data
     def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:
@@ -509,7 +619,10 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         if self._grad_buckets is not None:
             self._grad_buckets.remove()
             self._grad_buckets = None
+        if self._comm is not None:
+            self._comm.close()  # the driver thread of asynchronous compressed all-reduces, if one was started
         self._flat = None
+        self._reference = None
         self._comm = None
         super().teardown()
         if isinstance(self._launcher, _MultiProcessingLauncher):

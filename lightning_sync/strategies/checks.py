@@ -13,7 +13,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_sync.comm import LinkModel
+from lightning_sync.comm import FlatState, LinkModel
+from lightning_sync.comm.compression import check_compressible
 from lightning_sync.core.validation import check_choice, check_instance
 
 if TYPE_CHECKING:
@@ -95,3 +96,11 @@ def check_supported(strategy: SyncStrategy, trainer: pl.Trainer) -> None:
             f"{name} runs with world size 1: there is no other replica to synchronise with, so it trains "
             "locally. Use devices>1 or num_nodes>1 to train data-parallel."
         )
+
+
+def check_compressible_state(compression: str, flat: FlatState, name: str) -> None:
+    """At setup: every flat buffer a sync sends must be compressible with ``compression`` (floating point, and for
+    the casts wider than 2 bytes); otherwise a ``ValueError`` saying which buffer and what to use instead."""
+    for group in flat.groups:
+        what = f"{name}'s {group.state.numel()} parameters and buffers on {group.state.device}"
+        check_compressible(compression, group.state.dtype, what)

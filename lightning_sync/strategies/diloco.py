@@ -127,6 +127,13 @@ class DiLoCoStrategy(SyncStrategy):
         self.alpha = check_real("alpha", alpha, 0.0, 1.0)
         self.outer_config = parse_outer_optimizer(outer_optimizer)
         self.average_at_end = check_bool("average_at_end", average_at_end)
+        if kwargs.get("compression") is not None:
+            raise ValueError(
+                f"compression must be None for DiLoCoStrategy, got {kwargs['compression']!r}: its (streaming) fragment "
+                "all-reduces are not compressed. For compressed DiLoCo use LocalSGDStrategy(period=H, "
+                "outer_optimizer={'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}, compression=...), "
+                "whose averaging is compressed."
+            )
         super().__init__(**kwargs)
         #: plain DiLoCo: all-reduce each fragment in place and apply it at once (no send buffer)
         self._in_place = delay == 0 and self.alpha == 0.0

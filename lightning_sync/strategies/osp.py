@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle, Communicator
 from lightning_sync.comm.buckets import DEFAULT_BUCKET_CAP_MB, check_bucket_cap_mb
+from lightning_sync.comm.compression import FeedbackView
 from lightning_sync.comm.link import parse_bandwidth
 from lightning_sync.core.osp import ICSSchedule, layer_importance, select_unimportant, sgd_step, u_max
 from lightning_sync.core.validation import check_real
@@ -56,6 +57,11 @@ class OSPStrategy(SyncStrategy):
 
     Logged (``SyncStats``): ``bytes_rs``, ``bytes_ics``, ``ics_fraction`` (share of the model in the ICS this
     step), ``u_max`` (elements), ``ics_wait_s`` (time waiting on ICS) and ``overlap`` (1 − waited / ICS duration).
+
+    * With ``compression`` both stages are compressed all-reduces (the ICS one in flight on the ICS group's driver
+      thread), their gradients packed as without it; int8's error-feedback residuals stay with each element in the
+      positions of the whole gradient buffer whatever layers a step packs (:class:`~lightning_sync.comm.compression.
+      FeedbackView`); the buffers travel exactly in an all-reduce of their own; Eq. 5's budget counts wire bytes.
 
     Unsupported (rejected at setup): gradient clipping (the correction assumes the unclipped local gradient was
     applied); parameters of several dtypes/devices.
@@ -143,6 +149,13 @@ class OSPStrategy(SyncStrategy):
         self._ics_local = torch.empty_like(self._ics_buf)
         self._saved_params = torch.empty_like(self._ics_buf)  # unimportant parameters before the local update
         self._saved_momentum = torch.empty_like(self._ics_buf)  # and their momentum buffers (SGD)
+        if self.compressor is not None and self.compressor.fmt.quantized:
+            # packed int8 residuals of each stage: the packed size, and N padded chunks of it
+            pad = self.world_size * self.compressor.fmt.block
+            self._res_packed = {
+                stage: (torch.empty(size, dtype=g.grads.dtype), torch.zeros(size + pad, dtype=g.grads.dtype))
+                for stage, size in (("rs", g.param_numel), ("ics", cap))
+            }
         if self.schedule is None:
             self.schedule = ICSSchedule(g.param_numel, self.max_unimportant_fraction)
 
@@ -175,7 +188,9 @@ class OSPStrategy(SyncStrategy):
         t_c, loss, bw = (float(x) for x in local.tolist())
         bandwidth = self.bandwidth / 8.0 if self.bandwidth is not None else bw
         g = self.flat.groups[0]
-        limit = u_max(bandwidth, t_c, self.world_size, self.loss_rate) / g.grads.element_size()
+        # Eq. 5 bounds bytes; an element of the ICS costs its wire size
+        element = self.compressor.fmt.bytes_per_element if self.compressor is not None else g.grads.element_size()
+        limit = u_max(bandwidth, t_c, self.world_size, self.loss_rate) / element
         self.schedule.start_epoch(epoch, loss if steps else None, limit)
         self._epoch = epoch
         self._epoch_stats = [0.0, 0.0, 0.0]
@@ -217,7 +232,9 @@ class OSPStrategy(SyncStrategy):
         self.last_unimportant = unimportant
         # RS: important gradients and the buffers, one blocking all-reduce
         start, sent_before = time.perf_counter(), self.comm_stats.bytes_sent["rs"]
-        if not unimportant:
+        if self.compressor is not None:
+            self._rs_compressed(important)
+        elif not unimportant:
             self.average_grads(tag="rs")
         else:
             n = 0
@@ -248,6 +265,68 @@ class OSPStrategy(SyncStrategy):
             self._launch_ics(optimizer, unimportant)
         self.step_counter.record(True)
 
+    # ------------------------------------------------------------------ compression
+    def _pack(self, flat: torch.Tensor, layers: list[int], out: torch.Tensor) -> int:
+        """Copy ``layers``' slices of a buffer in gradient positions into ``out``, in order; return the count."""
+        n = 0
+        for i in layers:
+            out[n : n + self._sizes[i]].copy_(flat[self._offsets[i] : self._offsets[i] + self._sizes[i]])
+            n += self._sizes[i]
+        return n
+
+    def _unpack(self, packed: torch.Tensor, layers: list[int], flat: torch.Tensor) -> None:
+        n = 0
+        for i in layers:
+            flat[self._offsets[i] : self._offsets[i] + self._sizes[i]].copy_(packed[n : n + self._sizes[i]])
+            n += self._sizes[i]
+
+    def _residual_streams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8's residuals in the positions of the gradient buffer: this rank's own (worker) and those of the
+        chunks it reduced (server); two streams of the compressor, so both are checkpointed."""
+        assert self.compressor is not None
+        g = self.flat.groups[0]
+        streams = []
+        for key in ("grads/0", "grads/0:server"):
+            fb = self.compressor.feedback(key, g.param_numel, g.grads.dtype, g.grads.device)
+            assert fb is not None
+            streams.append(fb.worker)
+        return streams[0], streams[1]
+
+    def _packed_feedback(self, stage: str, layers: list[int], n: int) -> FeedbackView | None:
+        """The residuals of ``layers``, packed as their gradients are (int8; ``None`` for the casts)."""
+        assert self.compressor is not None
+        if not self.compressor.fmt.quantized:
+            return None
+        worker, server = self._residual_streams()
+        packed_worker, packed_server = self._res_packed[stage]
+        self._pack(worker, layers, packed_worker)
+        self._pack(server, layers, packed_server)
+        total = self.world_size * self.compressor.fmt.chunk_numel(n, self.world_size)
+        packed_server[n:total].zero_()
+        return FeedbackView(packed_worker[:n], packed_server[:total])
+
+    def _unpack_feedback(self, layers: list[int], feedback: FeedbackView | None, n: int) -> None:
+        if feedback is None:
+            return
+        worker, server = self._residual_streams()
+        self._unpack(feedback.worker, layers, worker)
+        self._unpack(feedback.server[:n], layers, server)
+
+    def _rs_compressed(self, important: list[int]) -> None:
+        """The RS with compression: the important layers' gradients packed into one compressed all-reduce, the
+        buffers in an exact one."""
+        assert self.compressor is not None
+        g = self.flat.groups[0]
+        n = self._pack(g.grad_region, important, self._rs_buf)
+        feedback = self._packed_feedback("rs", important, n)
+        self.comm.all_reduce_compressed(self._rs_buf[:n], self.compressor, op="avg", tag="rs", feedback=feedback)
+        self._unpack_feedback(important, feedback, n)
+        if g.buffer_numel:
+            self.comm.all_reduce(g.buffers, op="avg", tag="rs")
+        if self.verify_sync:
+            self._verify([self._rs_buf[:n], g.buffers], "important gradients and buffers after the RS")
+        self._unpack(self._rs_buf, important, g.grad_region)
+
     def _launch_ics(self, optimizer: Optimizer, layers: list[int]) -> None:
         g = self.flat.groups[0]
         n = 0
@@ -257,7 +336,14 @@ class OSPStrategy(SyncStrategy):
         self._ics_buf[:n].copy_(self._ics_local[:n])
         assert self._ics_comm is not None
         launched = time.perf_counter()
-        handle = self._ics_comm.all_reduce(self._ics_buf[:n], op="avg", tag="ics", async_op=True)
+        feedback = None
+        if self.compressor is not None:
+            feedback = self._packed_feedback("ics", layers, n)
+            handle = self._ics_comm.all_reduce_compressed(
+                self._ics_buf[:n], self.compressor, op="avg", tag="ics", async_op=True, feedback=feedback
+            )
+        else:
+            handle = self._ics_comm.all_reduce(self._ics_buf[:n], op="avg", tag="ics", async_op=True)
         groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         sgd = isinstance(optimizer, torch.optim.SGD)
         hyper, n = [], 0
@@ -283,6 +369,7 @@ class OSPStrategy(SyncStrategy):
             n += size
         self._pending = {
             "handle": handle,
+            "feedback": (feedback, n),
             "layers": layers,
             "hyper": hyper,
             "optimizer": optimizer,
@@ -297,6 +384,7 @@ class OSPStrategy(SyncStrategy):
         handle: CommHandle = pending["handle"]
         waited_from = time.perf_counter()
         handle.wait()
+        self._unpack_feedback(pending["layers"], *pending["feedback"])
         done = handle.completed_at or time.perf_counter()
         self._ics_durations[0] += done - pending["launched"]
         self._ics_durations[1] += done - waited_from

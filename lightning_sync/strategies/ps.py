@@ -54,6 +54,10 @@ class ParameterServerStrategy(SyncStrategy):
     epoch-based ``ModelCheckpoint`` work. ``injection`` and :class:`~lightning_sync.callbacks.SelDP` are not
     available (batches come from the shared order).
 
+    With ``compression`` the pushes carry the delta in the wire format (int8: with error feedback per server) and
+    the pulls the global parameters rounded to it; the servers' own parameters stay exact
+    (:mod:`lightning_sync.comm.ps`).
+
     Args:
         shard_size: largest shard, in elements (>= 1). Default 2**22 (16 MiB of float32).
     """
@@ -168,7 +172,13 @@ class ParameterServerStrategy(SyncStrategy):
         plan = ShardPlan(state.numel(), self.world_size, self.shard_size)
         server = ShardServer(plan.gather(self._host, self.global_rank), self.world_size, **self._server_kwargs())
         self._ps = ParameterServer(
-            plan, server, self.comm_stats, self.link, timeout=self._wait_timeout, dtype=state.dtype
+            plan,
+            server,
+            self.comm_stats,
+            self.link,
+            timeout=self._wait_timeout,
+            dtype=state.dtype,
+            compressor=self.compressor,
         )
         if self._pending_ps_state is not None:
             self._ps.load_state_dict(self._pending_ps_state)
@@ -178,6 +188,9 @@ class ParameterServerStrategy(SyncStrategy):
 
     def _server_kwargs(self) -> dict[str, Any]:
         return {"mode": self.mode}
+
+    def _averages_state(self) -> bool:
+        return False  # replicas meet through the servers (pushes and pulls), never through a parameter average
 
     @property
     def ps(self) -> ParameterServer:

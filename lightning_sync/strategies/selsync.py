@@ -101,6 +101,9 @@ class SelSyncStrategy(SyncStrategy):
         self._sigterm_votes = 0.0
         self._pending_vote: CommHandle | None = None
 
+    def _averages_state(self) -> bool:
+        return self.aggregation == "parameters"
+
     @property
     def effective_smoothing(self) -> float:
         if self.smoothing is not None:

@@ -1,0 +1,578 @@
+"""Compressed synchronization (``compression="bf16" | "fp16" | "int8"``): formats, bytes, error bounds, strategies.
+
+* In-process: the wire formats and their checks, the byte formulas of :mod:`lightning_sync.comm.cost`, encode/decode
+  bounds, and the compressed all-reduce's per-rank stages run for N simulated ranks (the collectives done by copying
+  records): identical results everywhere, bf16 within its rounding bound, int8 with error feedback converging to
+  the exact mean with a bounded accumulated error, workspaces reused.
+* Four gloo processes (no Lightning): :meth:`Communicator.all_reduce_compressed` bit-identical to the simulation,
+  bytes recorded per collective exactly as the formulas say, asynchronous handles in flight during compute, link
+  emulation charging the compressed bytes, subgroups and FedAvg-style partial participation.
+* Two Lightning processes: BSP + bf16 trains the embedded default to within 0.5 point of fp32; the strategies' bytes
+  per tag equal the analytic count; the parameter-server strategies with int8.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from launch import run_suite
+
+from lightning_sync.comm import CommStats, Communicator, LinkModel
+from lightning_sync.comm.compression import (
+    FORMATS,
+    INT8_BLOCK,
+    Compressor,
+    FeedbackView,
+    check_compressible,
+    check_compression,
+    decode,
+    encode,
+)
+from lightning_sync.comm.cost import (
+    alltoall_bytes,
+    compressed_allreduce_bytes,
+    compressed_chunk_numel,
+    compressed_record_bytes,
+)
+from lightning_sync.launch import free_port
+
+#: unit roundoff of the casts (round to nearest: relative error at most 2^-p for p significant bits)
+U = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+# =============================================================================================== in-process
+def simulate(comps: list[Compressor], xs: list[torch.Tensor], feedbacks=None, divisor=None, contribute=None):
+    """The compressed all-reduce of ``xs`` (one per simulated rank, modified in place) by its three per-rank stages,
+    with the all-to-all and the all-gather done by copying records between the ranks' workspaces."""
+    n_ranks, numel = len(xs), xs[0].numel()
+    wss = [c.acquire(numel, xs[0].dtype, xs[0].device, n_ranks) for c in comps]
+    fb = feedbacks or [None] * n_ranks
+    for r in range(n_ranks):
+        comps[r].stage_encode(wss[r], xs[r], fb[r], True if contribute is None else contribute[r])
+    rec = wss[0].record
+    for r in range(n_ranks):  # all-to-all: rank r receives record r of every rank
+        for k in range(n_ranks):
+            wss[r].recv[k * rec : (k + 1) * rec].copy_(wss[k].send[r * rec : (r + 1) * rec])
+    for r in range(n_ranks):
+        comps[r].stage_reduce(wss[r], r, float(n_ranks) if divisor is None else divisor, fb[r])
+    for r in range(n_ranks):  # all-gather of every rank's reduced chunk
+        for k in range(n_ranks):
+            wss[r].recv[k * rec : (k + 1) * rec].copy_(wss[k].mine)
+    for r in range(n_ranks):
+        comps[r].stage_decode(wss[r], xs[r])
+        comps[r].release(wss[r])
+    return xs
+
+
+def _inputs(n_ranks: int, numel: int, seed: int = 0, scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(numel, generator=g) for _ in range(n_ranks)]
+
+
+def test_check_compression_accepts_exactly_the_formats():
+    for value in (None, "bf16", "fp16", "int8"):
+        assert check_compression(value) == value
+    for bad in ("BF16", "int4", "", 16, True, "fp32"):
+        with pytest.raises(ValueError, match=r"compression must be None, 'bf16', 'fp16' or 'int8'"):
+            check_compression(bad)
+
+
+def test_check_compressible_refuses_what_cannot_shrink_or_is_not_floating():
+    check_compressible("bf16", torch.float32, "x")
+    check_compressible("fp16", torch.float64, "x")
+    check_compressible("int8", torch.bfloat16, "x")
+    with pytest.raises(ValueError, match=r"does not shrink .*bfloat16.*Use compression='int8'"):
+        check_compressible("bf16", torch.bfloat16, "the model")
+    with pytest.raises(ValueError, match=r"does not shrink .*float16"):
+        check_compressible("fp16", torch.float16, "the model")
+    with pytest.raises(ValueError, match=r"needs floating-point tensors.*torch.int64"):
+        check_compressible("int8", torch.int64, "the model")
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("world,numel", [(2, 1001), (4, 1000), (3, 7), (4, 70_000), (5, 256 * 5 + 1)])
+def test_byte_formula_is_elements_times_wire_size_plus_scales(name, world, numel):
+    fmt = FORMATS[name]
+    block = INT8_BLOCK if name == "int8" else 1
+    chunk = compressed_chunk_numel(numel, world, block)
+    assert chunk == (math.ceil(math.ceil(numel / world) / block) * block)
+    assert chunk * world >= numel > (chunk - block) * world - world  # padding is less than a block per rank
+    record = compressed_record_bytes(chunk, fmt.element_size, block, fmt.scale_bytes)
+    assert record == chunk * (1 if name == "int8" else 2) + (chunk // INT8_BLOCK * 4 if name == "int8" else 0)
+    a2a, ag = compressed_allreduce_bytes(numel, fmt.element_size, world, block, fmt.scale_bytes)
+    assert a2a == ag == alltoall_bytes(record, world) == (world - 1) * record
+    assert fmt.record_bytes(chunk) == record and fmt.chunk_numel(numel, world) == chunk
+    assert compressed_allreduce_bytes(numel, fmt.element_size, 1, block, fmt.scale_bytes) == (0, 0)
+
+
+def test_byte_formula_worked_examples():
+    # 4 ranks, 1M float32 elements: bf16 sends 2 * 3 chunks of 250k * 2 bytes; int8 2 * 3 chunks of 250,112 codes
+    # (250k rounded up to 256) + 977 scales
+    assert sum(compressed_allreduce_bytes(1_000_000, 2, 4)) == 3_000_000
+    assert sum(compressed_allreduce_bytes(1_000_000, 1, 4, 256, 4)) == 6 * (250_112 + 977 * 4) == 1_524_120
+    # fp32 ring for comparison: 2 * 3/4 * 4 MB
+    from lightning_sync.comm.cost import ring_allreduce_bytes
+
+    assert ring_allreduce_bytes(1_000_000, 4, 4) == 6_000_000
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_cast_encoding_is_round_to_nearest(name):
+    x = torch.randn(1000, dtype=torch.float64) * 100
+    fmt = FORMATS[name]
+    record = torch.empty(fmt.record_bytes(1000), dtype=torch.uint8)
+    encode(fmt, x, record)
+    out = torch.empty(1000, dtype=torch.float64)
+    decode(fmt, record, out)
+    assert torch.equal(out, x.to(fmt.dtype).double())
+    assert ((out - x).abs() <= U[name] * x.abs()).all()
+
+
+def test_fp16_refuses_values_beyond_its_range():
+    fmt = FORMATS["fp16"]
+    x = torch.tensor([1.0, -70_000.0, 3.0])
+    with pytest.raises(ValueError, match=r"beyond float16's range.*Use compression='bf16'"):
+        encode(fmt, x, torch.empty(fmt.record_bytes(3), dtype=torch.uint8))
+
+
+def test_int8_encoding_error_is_at_most_half_a_step_per_block_and_residual_is_what_was_dropped():
+    fmt = FORMATS["int8"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * torch.linspace(1e-3, 10, 1000)  # blocks of very different magnitudes
+    x[256:512] = 0.0  # a block of zeros stays exactly zero
+    record = torch.empty(fmt.record_bytes(1000), dtype=torch.uint8)
+    residual = torch.zeros(1000)
+    scratch = torch.empty(1000)
+    encode(fmt, x, record, residual=residual, scratch=scratch)
+    out = torch.empty(1000)
+    decode(fmt, record, out)
+    for start in range(0, 1000, INT8_BLOCK):
+        block = slice(start, min(start + INT8_BLOCK, 1000))
+        step = float(x[block].abs().max()) / 127
+        assert float((out[block] - x[block]).abs().max()) <= step / 2 * (1 + 1e-5) + 1e-12
+    assert torch.equal(out[256:512], torch.zeros(256))
+    # the residual is what the encoding dropped (up to float32 rounding of values up to ~30)
+    assert torch.allclose(residual, x - out, rtol=0, atol=1e-6 * float(x.abs().max()))
+    assert record.numel() == 1000 + 4 * 4  # 1000 codes + 4 scales (the last block is partial)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("world,numel", [(2, 1001), (4, 1000), (3, 7), (4, 70_000)])
+def test_simulated_all_reduce_is_identical_on_every_rank_and_close_to_the_mean(name, world, numel):
+    xs = _inputs(world, numel)
+    exact = torch.stack(xs).double().mean(0)
+    comps = [Compressor(name) for _ in range(world)]
+    out = simulate(comps, [x.clone() for x in xs])
+    assert all(torch.equal(out[0], o) for o in out[1:])  # bit-identical replicas
+    if name in U:
+        # two roundings (each input, then the fp32 mean) and the fp32 sum: |err| <= u (mean|x_i| + |mean|) + eps
+        bound = U[name] * (torch.stack(xs).abs().double().mean(0) + exact.abs()) * (1 + U[name]) + 1e-6
+        assert ((out[0].double() - exact).abs() <= bound).all()
+    else:  # int8 without feedback: half a step of each input's block plus half a step of the reduced block
+        assert float((out[0].double() - exact).abs().max()) <= 2 * float(torch.stack(xs).abs().max()) / 127
+
+
+def test_bf16_averaging_error_on_known_tensors():
+    # 1 + 2^-8 is halfway between two bf16 neighbours (1 and 1 + 2^-7): rounds to even (1). Four ranks averaging
+    # [1 + 2^-8, 1, 1, 1] therefore get exactly 1, an error of 2^-10 = u / 4 * mean, within the bound.
+    xs = [torch.full((8,), 1.0 + 2.0**-8), torch.ones(8), torch.ones(8), torch.ones(8)]
+    out = simulate([Compressor("bf16") for _ in range(4)], [x.clone() for x in xs])
+    assert torch.equal(out[0], torch.ones(8))
+    # values that bf16 holds exactly average exactly (the sum is taken in fp32, the mean is representable)
+    xs = [torch.full((8,), v) for v in (1.0, 2.0, 3.0, 6.0)]
+    assert torch.equal(simulate([Compressor("bf16") for _ in range(4)], xs)[0], torch.full((8,), 3.0))
+    # a gloo-style bf16 SUM would round after every addition: 256 + 1 + 1 + 1 in bf16 from the left is 256; the
+    # fp32 sum, rounded once, is bf16(259) = 260, and the mean 65
+    xs = [torch.full((4,), 256.0), torch.ones(4), torch.ones(4), torch.ones(4)]
+    assert torch.equal(simulate([Compressor("bf16") for _ in range(4)], xs)[0], torch.full((4,), 65.0))
+
+
+def test_int8_error_feedback_keeps_the_accumulated_error_bounded_and_the_mean_converges():
+    world, numel, steps = 4, 5000, 200
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(numel, generator=g) * (1 + 10 * torch.rand(numel, generator=g)) for _ in range(world)]
+    exact = torch.stack(xs).double().mean(0)
+    amax = float(torch.stack(xs).abs().max())
+    comps = [Compressor("int8") for _ in range(world)]
+    fbs = [c.feedback("s", numel, torch.float32, torch.device("cpu")) for c in comps]
+    total = torch.zeros(numel, dtype=torch.float64)
+    first_error = None
+    for t in range(1, steps + 1):
+        out = simulate(comps, [x.clone() for x in xs], fbs)
+        total += out[0].double()
+        accumulated = float((total - t * exact).abs().max())
+        # sum of what was received = t * mean - mean(worker residuals) - server residual: each at most half a step
+        # (the worker's values carry their residual, so a step is at most (amax + half a step) / 127)
+        assert accumulated <= 2 * (amax * (1 + 1 / 254)) / 254 * 1.01 + 1e-5 * t
+        if t == 1:
+            first_error = float((total - exact).abs().max())
+    mean_error = float((total / steps - exact).abs().max())
+    assert mean_error <= first_error / 50  # ~1/t: the mean of the compressed averages converges to the exact mean
+    # without feedback every step makes the same rounding error, so its mean never improves: it is the first step's
+    comps = [Compressor("int8") for _ in range(world)]
+    for _ in range(3):
+        plain = simulate(comps, [x.clone() for x in xs])[0].double()
+        assert float((plain - exact).abs().max()) == first_error
+
+
+def test_error_feedback_of_a_rank_that_does_not_contribute_is_kept():
+    comps = [Compressor("int8") for _ in range(2)]
+    fbs = [c.feedback("s", 600, torch.float32, torch.device("cpu")) for c in comps]
+    fbs[1].worker.fill_(0.25)
+    xs = _inputs(2, 600)
+    out = simulate(comps, [x.clone() for x in xs], fbs, divisor=1.0, contribute=[True, False])
+    assert torch.equal(fbs[1].worker, torch.full((600,), 0.25))  # untouched: nothing of it was sent
+    assert float((out[0] - xs[0]).abs().max()) <= 2 * float(xs[0].abs().max()) / 127  # rank 0's value alone
+
+
+def test_feedback_view_keeps_residuals_with_their_elements():
+    fb = FeedbackView(torch.zeros(10), torch.zeros(4 * 256))
+    assert fb.server_residual(256, 4, 2).data_ptr() == fb.server[512:].data_ptr()
+    with pytest.raises(ValueError, match="packed server residual"):
+        fb.server_residual(128, 4, 0)
+
+
+def test_workspaces_are_allocated_once_per_shape_and_reused():
+    comps = [Compressor("int8") for _ in range(3)]
+    fbs = [c.feedback("s", 999, torch.float32, torch.device("cpu")) for c in comps]
+    for _ in range(5):
+        simulate(comps, _inputs(3, 999), fbs)
+    assert [c.workspaces() for c in comps] == [1, 1, 1]
+    ws = comps[0].acquire(999, torch.float32, torch.device("cpu"), 3)
+    other = comps[0].acquire(999, torch.float32, torch.device("cpu"), 3)  # one in flight: a second one
+    assert other is not ws and comps[0].workspaces() == 2
+    comps[0].release(ws)
+    comps[0].release(other)
+    assert comps[0].acquire(999, torch.float32, torch.device("cpu"), 3) in (ws, other)
+
+
+def test_compressor_state_round_trips_and_refuses_another_compression():
+    c = Compressor("int8")
+    fb = c.feedback("grads/0", 300, torch.float32, torch.device("cpu"))
+    fb.worker.copy_(torch.arange(300.0))
+    fb.server_residual(256, 2, 1).fill_(3.0)
+    state = c.state_dict()
+    d = Compressor("int8")
+    d.load_state_dict(state)
+    assert d.state_dict()["feedback"]["grads/0"]["worker"].equal(torch.arange(300.0))  # restored, not used yet
+    restored = d.feedback("grads/0", 300, torch.float32, torch.device("cpu"))
+    assert torch.equal(restored.worker, torch.arange(300.0))
+    assert torch.equal(restored.server_residual(256, 2, 1), torch.full((256,), 3.0))
+    assert torch.equal(restored.server_residual(256, 3, 1), torch.zeros(256))  # another layout starts at zero
+    with pytest.raises(ValueError, match="Resume with the same compression"):
+        Compressor("bf16").load_state_dict(state)
+    assert Compressor("bf16").feedback("x", 10, torch.float32, torch.device("cpu")) is None  # casts: no state
+
+
+# =============================================================================================== 4 gloo ranks
+WORLD = 4
+NUMEL = 70_001  # not a multiple of N or of the int8 block: padding is exercised and counted
+SLOW = LinkModel(bandwidth="100mbit", latency="5ms")
+
+
+def _comm_worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    res: dict = {}
+    try:
+        stats = CommStats()
+        comm = Communicator(stats)
+        for name in ("bf16", "fp16", "int8"):
+            comp = Compressor(name)
+            fb = comp.feedback("x", NUMEL, torch.float32, torch.device("cpu"))
+            outs = []
+            for step in range(3):  # three steps: error feedback carries over
+                x = _inputs(WORLD, NUMEL, seed=step)[rank]
+                comm.all_reduce_compressed(x, comp, op="avg", tag=name, feedback=fb)
+                outs.append(x)
+            res[name] = {
+                "out": [o.tolist() for o in outs],
+                "bytes": stats.bytes_sent[name],
+                "ops": stats.ops[name],
+                "blocking": stats.blocking[name],
+                "workspaces": comp.workspaces(),
+            }
+        # asynchronous, under link emulation: in flight during compute, same result as the blocking one
+        slow = Communicator(CommStats(), link=SLOW)
+        comp = Compressor("bf16")
+        x = _inputs(WORLD, NUMEL, seed=7)[rank]
+        y = x.clone()
+        slow.all_reduce_compressed(y, comp, op="avg", tag="blocking")
+        # the first asynchronous call starts the driver (a process group of its own, created by every rank)
+        slow.all_reduce_compressed(torch.zeros(10), comp, tag="warm-up", async_op=True).wait()
+        slow.barrier()
+        launch = time.perf_counter()
+        handle = slow.all_reduce_compressed(x, comp, op="avg", tag="async", async_op=True)
+        compute_start = time.perf_counter() - launch
+        a = torch.randn(200, 200)
+        while time.perf_counter() - launch < 0.02:
+            a = torch.tanh(a @ a.T / 200)
+        res["async_completed_during_compute"] = handle.is_completed()
+        handle.wait()
+        res["async"] = {
+            "launch_return_s": compute_start,
+            "done_s": handle.completed_at - launch,
+            "equal_to_blocking": bool(torch.equal(x, y)),
+            "blocked_s": slow.stats.blocked_seconds["async"],
+            "blocking": slow.stats.blocking["async"],
+            "bytes": slow.stats.bytes_sent["async"],
+        }
+        # link emulation charges the compressed bytes: two operations, latency + bytes / bandwidth each
+        slow.barrier()
+        t0 = time.perf_counter()
+        slow.all_reduce_compressed(_inputs(WORLD, NUMEL)[rank], Compressor("int8"), tag="timed")
+        res["emulated_s"] = time.perf_counter() - t0
+        # a subgroup (blocking) and partial participation (FedAvg: ranks 1 and 3 send zeros, divide by 2)
+        sub = comm.subgroup([0, 1, 2])
+        if sub is not None:
+            z = _inputs(3, 1000)[rank]
+            sub.all_reduce_compressed(z, Compressor("int8"), op="avg", tag="sub")
+            res["sub"] = z.tolist()
+        part = _inputs(WORLD, 1000, seed=3)[rank]
+        comm.all_reduce_compressed(part, Compressor("bf16"), op="sum", divisor=2.0, contribute=rank in (0, 2))
+        res["part"] = part.tolist()
+        slow.close()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def comm_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compression_comm")
+    mp.start_processes(_comm_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+def test_gloo_compressed_all_reduce_equals_the_simulation_bit_for_bit(comm_results, name):
+    comps = [Compressor(name) for _ in range(WORLD)]
+    fbs = [c.feedback("x", NUMEL, torch.float32, torch.device("cpu")) for c in comps]
+    for step in range(3):
+        expected = simulate(comps, _inputs(WORLD, NUMEL, seed=step), fbs)[0]
+        for r in comm_results:
+            assert torch.equal(torch.tensor(r[name]["out"][step]), expected)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+def test_gloo_bytes_recorded_per_collective_equal_the_formula(comm_results, name):
+    fmt = FORMATS[name]
+    a2a, ag = compressed_allreduce_bytes(NUMEL, fmt.element_size, WORLD, fmt.block, fmt.scale_bytes)
+    record = fmt.record_bytes(fmt.chunk_numel(NUMEL, WORLD))
+    assert a2a == ag == (WORLD - 1) * record
+    for r in comm_results:
+        assert r[name]["bytes"] == 3 * (a2a + ag)  # three all-reduces, two collectives each
+        assert r[name]["ops"] == r[name]["blocking"] == 6
+        assert r[name]["workspaces"] == 1  # the buffers of the first all-reduce were reused
+
+
+def test_gloo_async_compressed_all_reduce_is_in_flight_during_compute(comm_results):
+    nbytes = sum(compressed_allreduce_bytes(NUMEL, 2, WORLD))
+    emulated = 2 * SLOW.latency_seconds + 8 * nbytes / SLOW.bits_per_second  # two operations on the link
+    for r in comm_results:
+        a = r["async"]
+        assert a["equal_to_blocking"]
+        assert a["bytes"] == nbytes and a["blocking"] == 0
+        assert a["launch_return_s"] < emulated / 2  # returned at once
+        assert not r["async_completed_during_compute"]  # 20 ms of compute < the emulated transfer
+        assert a["done_s"] >= emulated
+        assert a["blocked_s"] < a["done_s"]  # only what was left after the compute was waited for
+
+
+def test_gloo_link_emulation_charges_the_compressed_bytes(comm_results):
+    nbytes = sum(compressed_allreduce_bytes(NUMEL, 1, WORLD, INT8_BLOCK, 4))
+    emulated = 2 * SLOW.latency_seconds + 8 * nbytes / SLOW.bits_per_second
+    for r in comm_results:
+        assert emulated <= r["emulated_s"] < emulated + 0.25
+
+
+def test_gloo_subgroup_and_partial_participation(comm_results):
+    xs = _inputs(3, 1000)
+    expected = simulate([Compressor("int8") for _ in range(3)], [x.clone() for x in xs])[0]
+    for r in comm_results[:3]:
+        assert torch.equal(torch.tensor(r["sub"]), expected)
+    assert "sub" not in comm_results[3]
+    xs = _inputs(WORLD, 1000, seed=3)
+    exact = (xs[0].double() + xs[2].double()) / 2
+    outs = [torch.tensor(r["part"]) for r in comm_results]
+    assert all(torch.equal(outs[0], o) for o in outs)
+    bound = U["bf16"] * ((xs[0].abs() + xs[2].abs()).double() / 2 + exact.abs()) * (1 + U["bf16"]) + 1e-6
+    assert ((outs[0].double() - exact).abs() <= bound).all()
+
+
+# =============================================================================================== Lightning
+EPOCHS = 6  # lightning-sync compare's embedded default
+
+
+def _strategy_suite(rank: int, out_dir: str) -> None:
+    import lightning.pytorch as pl
+
+    import lightning_sync.strategies as S
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    res: dict = {}
+    kw = quiet_trainer_kwargs(accelerator="cpu", devices=2, limit_val_batches=0)
+
+    class Numel(pl.Callback):
+        """The flat state's sizes (the strategy drops it at teardown)."""
+
+        def on_train_start(self, trainer, pl_module):
+            groups = trainer.strategy.flat.groups
+            self.numel = {
+                "state": trainer.strategy.flat.numel(),
+                "params": sum(g.param_numel for g in groups),
+                "buffers": sum(g.buffer_numel for g in groups),
+            }
+
+    # BSP fp32 vs bf16 (and int8) on the embedded default: test accuracy of the model fit hands back
+    for compression in (None, "bf16", "int8"):
+        pl.seed_everything(0)
+        model, dm = DigitsCNN(), DigitsDataModule(batch_size=32)
+        strategy = S.BSPStrategy(compression=compression, verify_sync=True)
+        pl.Trainer(strategy=strategy, max_epochs=EPOCHS, callbacks=[numel := Numel()], **kw).fit(model, dm)
+        test = pl.Trainer(strategy=S.BSPStrategy(), **quiet_trainer_kwargs(accelerator="cpu", devices=2))
+        res[f"bsp/{compression}"] = {
+            "acc": float(test.test(model, dm, verbose=False)[0]["test/acc"]),
+            "bytes": dict(strategy.comm_stats.bytes_sent),
+            "ops": dict(strategy.comm_stats.ops),
+            "steps": strategy.step_counter.steps,
+            "numel": numel.numel,
+        }
+    # one short fit per strategy family with int8: bytes per tag against the formula, replicas checked by verify_sync
+    runs = {
+        "localsgd": lambda: S.LocalSGDStrategy(period=3, compression="int8", verify_sync=True),
+        "fedavg": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=2, compression="bf16", verify_sync=True),
+        "osp": lambda: S.OSPStrategy(fixed_share=0.5, compression="int8", verify_sync=True),
+        "asp": lambda: S.ASPStrategy(compression="int8"),
+        "aladdin": lambda: S.ALADDINStrategy(period=2, compression="bf16"),
+    }
+    for name, make in runs.items():
+        pl.seed_everything(0)
+        model, dm = DigitsCNN(), DigitsDataModule(batch_size=32)
+        strategy = make()
+        pl.Trainer(strategy=strategy, max_epochs=2, callbacks=[numel := Numel()], **kw).fit(model, dm)
+        res[name] = {
+            "bytes": dict(strategy.comm_stats.bytes_sent),
+            "ops": dict(strategy.comm_stats.ops),
+            "steps": strategy.step_counter.steps,
+            "syncs": strategy.step_counter.sync_steps,
+            "numel": numel.numel,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "pushes": getattr(strategy, "server_summary", {}).get("pushes"),
+        }
+    (Path(out_dir) / f"res_rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def strategy_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compression_strategies")
+    return run_suite(_strategy_suite, 2, out)
+
+
+def test_bsp_bf16_trains_the_embedded_default_within_half_a_point_of_fp32(strategy_results):
+    r = strategy_results[0]
+    fp32, bf16 = r["bsp/None"]["acc"], r["bsp/bf16"]["acc"]
+    assert fp32 > 0.95
+    assert abs(bf16 - fp32) <= 0.005, (fp32, bf16)
+    assert r["bsp/int8"]["acc"] > fp32 - 0.02  # int8 with error feedback: reported, loosely bounded
+
+
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_bsp_gradient_bytes_are_the_compressed_count_plus_the_exact_buffers(strategy_results, compression):
+    from lightning_sync.comm.cost import gloo_ring_allreduce_bytes
+
+    for rank, res in enumerate(strategy_results):
+        r = res[f"bsp/{compression}"]
+        params, buffers, fmt = r["numel"]["params"], r["numel"]["buffers"], FORMATS[compression]
+        per_step = sum(compressed_allreduce_bytes(params, fmt.element_size, 2, fmt.block, fmt.scale_bytes))
+        per_step += gloo_ring_allreduce_bytes(buffers, 4, 2, rank)  # BatchNorm statistics, exact
+        assert r["bytes"]["grads"] == r["steps"] * per_step
+        assert r["ops"]["grads"] == 3 * r["steps"]  # all-to-all, all-gather, buffers
+        fp32 = res["bsp/None"]
+        ratio = r["bytes"]["grads"] / fp32["bytes"]["grads"]
+        assert ratio == pytest.approx(0.5 if compression == "bf16" else 0.25, abs=0.03)
+
+
+def test_parameter_averaging_bytes_are_the_compressed_count(strategy_results):
+    for res in strategy_results:
+        for name, compression in (("localsgd", "int8"), ("fedavg", "bf16")):
+            r, fmt = res[name], FORMATS[compression]
+            per_sync = sum(
+                compressed_allreduce_bytes(r["numel"]["state"], fmt.element_size, 2, fmt.block, fmt.scale_bytes)
+            )
+            assert r["bytes"]["params"] == r["syncs"] * per_sync
+            assert r["bytes"]["final"] == per_sync  # the average at the end goes the same way
+            assert r["finite"]
+
+
+def test_osp_stages_and_parameter_server_messages_are_compressed(strategy_results):
+    for res in strategy_results:
+        osp = res["osp"]
+        assert osp["bytes"]["ics"] > 0 and osp["finite"]
+        # both stages together send at most what one int8 all-reduce of every gradient would, plus padding per stage
+        full = sum(compressed_allreduce_bytes(osp["numel"]["params"], 1, 2, 256, 4))
+        assert osp["bytes"]["ics"] + osp["bytes"]["rs"] <= osp["steps"] * (full + 2 * 2 * (256 + 4) + 8 * 64 * 4)
+        asp = res["asp"]
+        assert asp["finite"] and asp["pushes"] > 0
+    # a push carries one server's shards: 32-byte header + int8 codes + a scale per 256 (rank 0 pushes to rank 1)
+    asp = strategy_results[0]["asp"]
+    numel = asp["numel"]["state"]
+    shard1 = numel - math.ceil(numel / 2)  # ShardPlan: ceil(total / N) per shard, shard 1 is the rest
+    assert asp["bytes"]["push"] == asp["pushes"] * (32 + shard1 + 4 * math.ceil(shard1 / 256))
+
+
+# =============================================================================================== setup (one process)
+def _fit_one_process(strategy, **trainer_kwargs) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    kw = quiet_trainer_kwargs(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
+    kw.update(trainer_kwargs)
+    pl.Trainer(strategy=strategy, **kw).fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+
+
+def test_a_cast_that_cannot_shrink_the_parameters_is_refused_at_setup(single_process):
+    from lightning_sync import BSPStrategy
+
+    with pytest.raises(ValueError, match=r"compression='bf16' does not shrink BSPStrategy's .* torch.bfloat16"):
+        _fit_one_process(BSPStrategy(compression="bf16"), precision="bf16-true")
+    _fit_one_process(BSPStrategy(compression="int8"), precision="bf16-true")  # int8 does shrink bf16
+
+
+@pytest.mark.parametrize("name", ["localsgd", "aladdin"])
+def test_compression_on_one_rank_trains_without_sending(name, single_process):
+    import lightning_sync.strategies as S
+
+    strategy = (
+        S.LocalSGDStrategy(period=1, compression="int8")
+        if name == "localsgd"
+        else S.ALADDINStrategy(compression="int8")
+    )
+    _fit_one_process(strategy)
+    sent = {tag: n for tag, n in strategy.comm_stats.bytes_sent.items() if n and tag != "work"}
+    assert sent == {}  # (the parameter server's batch claims go to the store even on one rank)
+
+
+def test_workspaces_of_sizes_not_used_recently_are_dropped():
+    comp = Compressor("bf16")
+    for numel in range(100, 100 + 3 * Compressor.MAX_SHAPES):  # e.g. OSP's stages as the layer selection changes
+        comp.release(comp.acquire(numel, torch.float32, torch.device("cpu"), 2))
+    assert comp.workspaces() == Compressor.MAX_SHAPES
+    busy = comp.acquire(7, torch.float32, torch.device("cpu"), 2)
+    for numel in range(1000, 1000 + 3 * Compressor.MAX_SHAPES):
+        comp.release(comp.acquire(numel, torch.float32, torch.device("cpu"), 2))
+    assert busy in comp._pool[(7, torch.float32, torch.device("cpu"), 2)]  # one in use is never dropped
