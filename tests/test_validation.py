@@ -796,7 +796,7 @@ def test_every_constructor_argument_has_a_spec():
 def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_through():
     base = set(inspect.signature(SyncStrategy.__init__).parameters) - {"self"}
     assert set(PASS_THROUGH) <= base
-    assert base == {"link", "verify_sync", "injection", "injection_seed", *PASS_THROUGH}
+    assert base == {"link", "verify_sync", "injection", "injection_seed", "compression", *PASS_THROUGH}
     for cls in STRATEGIES:
         assert base <= _constructor_arguments(cls), cls.__name__
         for name in PASS_THROUGH:
