@@ -18,7 +18,9 @@ Part 1 — BSP vs DDP. For each model, blocks of ``--steps`` steps alternate bet
 our ``BSPStrategy`` (same backend, same model, data and seed), in ABBA order over ``--repeats`` repeats so drift of
 the machine cancels; a step's time runs from the end of the previous step to the end of this one (on a GPU after
 ``torch.cuda.synchronize()``, so it is the step's own GPU work), the first ``--warmup`` steps of a block excluded.
-Printed: the median step time of each block and BSP/DDP per repeat, and the median of those ratios. Goal: <= 1.03.
+Printed: the median step time of each block and BSP/DDP per repeat, the median of those ratios, and the same for the
+process's CPU time per step (all its threads; a loaded machine deschedules processes, which wall time charges to
+whichever block ran then, CPU time much less). Goal: <= 1.03.
 
 Part 2 — SelSync's step that does not sync vs a local step with no vote. One run alternates, step by step,
 SelSync's full per-step work (squared norm, windowed EWMA and Eq. 2 on the device, the 8-byte vote all-reduce read
@@ -164,25 +166,32 @@ def _make_toggle_strategy() -> type:
 class StepTimer(pl.Callback):
     """Step time = from the end of the previous step to the end of this one (after a device synchronisation on
     a GPU), so everything a step costs — Lightning's per-step collectives, the wait for the slower rank — is
-    charged to it. ``kind(trainer)`` sorts the steps (Part 2: SelSync's or plain)."""
+    charged to it; beside it the process's CPU time over the same interval (all its threads: less sensitive to a
+    loaded machine, which deschedules processes, than wall time). ``kind(trainer)`` sorts the steps (Part 2:
+    SelSync's or plain)."""
 
     def __init__(self, warmup: int, kind: Any = None) -> None:
         self.warmup = warmup
         self.kind = kind or (lambda trainer: "all")
-        self.last: float | None = None
+        self.last: tuple[float, float] | None = None
         self.times: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if self.last is not None and trainer.global_step > self.warmup:
-            self.times.setdefault(self.kind(trainer), []).append(now - self.last)
+            kind = self.kind(trainer)
+            self.times.setdefault(kind, []).append(now[0] - self.last[0])
+            self.cpu.setdefault(kind, []).append(now[1] - self.last[1])
         self.last = now
 
 
 # ---------------------------------------------------------------------------------------------------- worker
-def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, warmup: int, repeats: int) -> None:
+def _worker(
+    rank: int, out_dir: str, setup: str, models: list[str], steps: int, warmup: int, repeats: int, parts: list[int]
+) -> None:
     if setup == "gpu-shared":
         os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")  # two one-GPU "nodes" on this machine
     from lightning.pytorch.strategies import DDPStrategy
@@ -190,7 +199,7 @@ def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, 
     from lightning_sync import BSPStrategy, LinkModel, SelSyncStrategy
 
     backend = _placement(setup)["backend"]
-    res: dict[str, Any] = {"setup": setup, "models": models}
+    res: dict[str, Any] = {"setup": setup, "models": models, "parts": parts}
     if torch.cuda.is_available() and setup != "cpu":
         res["device"] = torch.cuda.get_device_name(0)
 
@@ -202,7 +211,7 @@ def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, 
         return trainer
 
     # Part 1: BSP vs DDP, blocks in ABBA order
-    for model_name in models:
+    for model_name in models if 1 in parts else ():
         rows = []
         for r in range(repeats):
             order = ("ddp", "bsp") if r % 2 == 0 else ("bsp", "ddp")
@@ -216,13 +225,14 @@ def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, 
                 timer = StepTimer(warmup)
                 run(strategy, model_name, timer, max_steps=warmup + steps + 1, max_epochs=-1)
                 row[kind] = statistics.median(timer.times["all"])
+                row[f"{kind}_cpu"] = statistics.median(timer.cpu["all"])
                 row[f"{kind}_n"] = len(timer.times["all"])
             rows.append(row)
         res[f"bsp_vs_ddp/{model_name}"] = rows
 
     # Part 2: SelSync's non-sync step vs a plain local step, interleaved step by step
     toggle = _make_toggle_strategy()
-    for model_name in models:
+    for model_name in models if 2 in parts else ():
         blocks = []
         for _ in range(repeats):
             strategy = toggle(delta=float("inf"), process_group_backend=backend)
@@ -232,6 +242,8 @@ def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, 
                 {
                     "selsync": statistics.median(timer.times["selsync"]),
                     "plain": statistics.median(timer.times["plain"]),
+                    "selsync_cpu": statistics.median(timer.cpu["selsync"]),
+                    "plain_cpu": statistics.median(timer.cpu["plain"]),
                     "n": [len(timer.times["selsync"]), len(timer.times["plain"])],
                     "sync_steps": strategy.step_counter.sync_steps,
                     "vote_blocked_s": strategy.comm_stats.blocked_seconds["vote"],
@@ -241,7 +253,7 @@ def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, 
         res[f"selsync_local/{model_name}"] = blocks
 
     # Part 3 (CPU): one epoch on an emulated 1 Gbit/s, 1 ms link
-    if setup == "cpu":
+    if setup == "cpu" and 3 in parts:
 
         class EpochTimer(pl.Callback):
             def on_train_epoch_start(self, trainer, pl_module):
@@ -280,44 +292,56 @@ def _worker(rank: int, out_dir: str, setup: str, models: list[str], steps: int, 
 def _report(r0: dict[str, Any]) -> None:
     setup = r0["setup"]
     where = f"{setup}" + (f", {r0['device']}" if "device" in r0 else "")
-    for model_name in r0["models"]:
+    parts = r0["parts"]
+    for model_name in r0["models"] if 1 in parts else ():
         rows = r0[f"bsp_vs_ddp/{model_name}"]
         print(f"\n## Part 1: BSP step vs Lightning DDP step ({model_name}, 2 ranks, {where})")
-        print("| repeat | order | DDP steps | median DDP ms | BSP steps | median BSP ms | BSP / DDP |")
-        print("|---:|---|---:|---:|---:|---:|---:|")
-        ratios = []
+        print(
+            "| repeat | order | steps | median DDP ms | median BSP ms | BSP / DDP | DDP CPU ms | BSP CPU ms "
+            "| BSP / DDP (CPU) |"
+        )
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        ratios, cpu_ratios = [], []
         for i, row in enumerate(rows):
-            ratio = row["bsp"] / row["ddp"]
+            ratio, cpu_ratio = row["bsp"] / row["ddp"], row["bsp_cpu"] / row["ddp_cpu"]
             ratios.append(ratio)
+            cpu_ratios.append(cpu_ratio)
             order = "DDP, BSP" if i % 2 == 0 else "BSP, DDP"
             print(
-                f"| {i + 1} | {order} | {row['ddp_n']} | {row['ddp'] * 1e3:.3f} | {row['bsp_n']} "
-                f"| {row['bsp'] * 1e3:.3f} | {ratio:.3f} |"
+                f"| {i + 1} | {order} | {row['ddp_n']}, {row['bsp_n']} | {row['ddp'] * 1e3:.3f} "
+                f"| {row['bsp'] * 1e3:.3f} | {ratio:.3f} | {row['ddp_cpu'] * 1e3:.3f} | {row['bsp_cpu'] * 1e3:.3f} "
+                f"| {cpu_ratio:.3f} |"
             )
-        median = statistics.median(ratios)
-        print(f"median BSP / DDP over repeats ({model_name}, {setup}): {median:.3f}   (goal <= 1.03)")
-    for model_name in r0["models"]:
+        pooled = statistics.median(row["bsp"] for row in rows) / statistics.median(row["ddp"] for row in rows)
+        print(
+            f"median BSP / DDP over repeats ({model_name}, {setup}): {statistics.median(ratios):.3f}; "
+            f"ratio of the medians over blocks: {pooled:.3f}; CPU time: {statistics.median(cpu_ratios):.3f}   "
+            "(goal <= 1.03)"
+        )
+    for model_name in r0["models"] if 2 in parts else ():
         blocks = r0[f"selsync_local/{model_name}"]
         print(f"\n## Part 2: SelSync step that does not sync vs a local step without a vote ({model_name}, {where})")
         print(
             "| run | SelSync steps | plain steps | syncs | median SelSync ms | median plain ms | ratio "
-            "| vote blocked us |"
+            "| SelSync CPU ms | plain CPU ms | ratio (CPU) | vote blocked us |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        ratios = []
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        ratios, cpu_ratios = [], []
         for i, o in enumerate(blocks):
-            ratio = o["selsync"] / o["plain"]
+            ratio, cpu_ratio = o["selsync"] / o["plain"], o["selsync_cpu"] / o["plain_cpu"]
             ratios.append(ratio)
+            cpu_ratios.append(cpu_ratio)
             vote_us = o["vote_blocked_s"] / max(1, o["vote_ops"]) * 1e6
             print(
                 f"| {i + 1} | {o['n'][0]} | {o['n'][1]} | {o['sync_steps']} | {o['selsync'] * 1e3:.3f} "
-                f"| {o['plain'] * 1e3:.3f} | {ratio:.3f} | {vote_us:.0f} |"
+                f"| {o['plain'] * 1e3:.3f} | {ratio:.3f} | {o['selsync_cpu'] * 1e3:.3f} | {o['plain_cpu'] * 1e3:.3f} "
+                f"| {cpu_ratio:.3f} | {vote_us:.0f} |"
             )
         print(
-            f"median SelSync / plain over runs ({model_name}, {setup}): {statistics.median(ratios):.3f}   "
-            "(goal <= 1.02)"
+            f"median SelSync / plain over runs ({model_name}, {setup}): {statistics.median(ratios):.3f}; "
+            f"CPU time: {statistics.median(cpu_ratios):.3f}   (goal <= 1.02)"
         )
-    if setup == "cpu":
+    if setup == "cpu" and 3 in parts:
         print("\n## Part 3: one epoch at an emulated 1 Gbit/s, 1 ms link (rank 0; DistributedSampler)")
         print("| model | params | strategy | steps | LSSR | bytes sent / rank | blocked s | epoch s |")
         print("|---|---:|---|---:|---:|---:|---:|---:|")
@@ -343,9 +367,11 @@ def main() -> None:
     parser.add_argument("--models", default=None, help="comma-separated: digits, widemlp, resnet18")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per block (part 2: of each kind)")
     parser.add_argument("--warmup", type=int, default=20, help="steps not measured at the start of each block")
-    parser.add_argument("--repeats", type=int, default=4, help="blocks per strategy (part 1), runs (part 2)")
+    parser.add_argument("--repeats", type=int, default=6, help="blocks per strategy (part 1), runs (part 2)")
+    parser.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1 or 1,2")
     parser.add_argument("--json", type=Path, default=None, help="also write rank 0's raw numbers here")
     args = parser.parse_args()
+    parts = [int(p) for p in args.parts.split(",")]
 
     from lightning_sync.launch import launch_local
 
@@ -354,16 +380,16 @@ def main() -> None:
             raise SystemExit("--accelerator gpu: no CUDA device on this machine")
         setups = ["gpu-shared"] + (["gpu-nccl"] if torch.cuda.device_count() >= 2 else [])
         models = (args.models or "resnet18").split(",")
-        steps = args.steps or 200
+        steps = args.steps or 100
     else:
         setups = ["cpu"]
         models = (args.models or "digits,widemlp").split(",")
-        steps = args.steps or 150
+        steps = args.steps or 100
     out: dict[str, Any] = {}
     for setup in setups:
         with tempfile.TemporaryDirectory() as tmp:
             threads = 1 if setup == "cpu" else None
-            launch_local(_worker, WORLD, tmp, setup, models, steps, args.warmup, args.repeats, threads=threads)
+            launch_local(_worker, WORLD, tmp, setup, models, steps, args.warmup, args.repeats, parts, threads=threads)
             out[setup] = [json.loads(Path(tmp, f"{setup}_rank{r}.json").read_text()) for r in range(WORLD)]
         _report(out[setup][0])
     if args.accelerator == "gpu" and torch.cuda.device_count() < 2:

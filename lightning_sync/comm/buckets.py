@@ -31,8 +31,8 @@ micro-batches' closures outside ``optimizer_step``); their hooks only record whi
 **Bytes**: ``k`` buckets send what one all-reduce of the whole buffer sends, up to gloo's ring segment rounding per
 bucket (exactly the same total on 2 ranks, see :mod:`lightning_sync.comm.cost`): :func:`bucket_bytes`.
 
-The collective is pluggable: :meth:`GradBuckets.arm` takes the function that launches one bucket (a compressed
-all-reduce can be passed there) and returns nothing but a :class:`~lightning_sync.comm.communicator.CommHandle`.
+The collective is pluggable: :meth:`GradBuckets.arm` takes the function that launches one bucket's all-reduce and
+returns its :class:`~lightning_sync.comm.communicator.CommHandle`, so a compressed all-reduce can be passed there.
 """
 
 from __future__ import annotations
