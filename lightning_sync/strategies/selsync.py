@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -10,10 +11,15 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
 from lightning_sync.core import GradientChangeTracker, wants_sync
-from lightning_sync.core.validation import MAX_INT64, check_int, check_real
+from lightning_sync.core.calibration import CALIBRATION_WARMUP, CALIBRATION_WINDOW, DeltaCalibrator
+from lightning_sync.core.validation import MAX_INT64, check_bool, check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
 
 Aggregation = Literal["parameters", "gradients"]
+
+#: ``sync_fraction`` when ``delta="auto"`` and none is given: the fraction of steps that synchronise. Chosen from
+#: measurements (README, "SelSync's threshold"; ``benchmarks/dropin.py --selsync-sweep``).
+DEFAULT_SYNC_FRACTION = 0.25
 
 
 class SelSyncStrategy(SyncStrategy):
@@ -32,6 +38,13 @@ class SelSyncStrategy(SyncStrategy):
        asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
        ``aggregation="gradients"``: if any rank voted, gradients (and buffers) are averaged before the update.
 
+    ``delta="auto"`` (default) sets δ online (:class:`~lightning_sync.core.calibration.DeltaCalibrator`): each
+    step's vote all-reduce also carries every rank's Δ (one float per rank in its own slot, so the sum delivers all of
+    them), every rank feeds the same maximum to the calibrator, and δ for the next step is the quantile of the last
+    100 maxima that lets ``sync_fraction`` of them through — the same δ on every rank with no further message. The
+    first 10 steps sync while the window fills. The paper's fixed threshold is ``delta=0.3, smoothing=None``
+    (calibrated for 16 workers: with 2-4 ranks its N/100 smoothing keeps Δ below 0.3 and SelSync almost never syncs).
+
     :math:`\delta=0` syncs every step: with parameter aggregation and identical replicas this is BSP (for SGD
     with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
     ranks' momentum buffers follows BSP's momentum recursion; not with ``gradient_clip_val``, which clips each rank's
@@ -39,11 +52,19 @@ class SelSyncStrategy(SyncStrategy):
     no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
     every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 8-byte votes travel.
 
+    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
+    (local steps leave the replicas different under either aggregation).
+
     Args:
-        delta: threshold :math:`\delta \ge 0` on the relative gradient change (``float('inf')`` allowed).
+        delta: ``"auto"`` (default: set online to meet ``sync_fraction``) or a fixed threshold :math:`\delta \ge 0` on
+            the relative gradient change (``float('inf')`` allowed; the paper: 0.3).
         window: EWMA window in steps (paper: 25), an integer in [1, 2**63 - 1].
         smoothing: EWMA factor in (0, 1]; ``None`` uses the paper's :math:`N/100` for world size N (capped at 1).
         aggregation: ``"parameters"`` (the paper's recommendation) or ``"gradients"``.
+        sync_fraction: with ``delta="auto"``, the target fraction of synchronised steps, in (0, 1] (LSSR ≈
+            1/f − 1); ``None`` = 0.25. Must be ``None`` with a fixed ``delta``.
+        average_at_end: average the replicas once more when training ends (a bool).
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
     """
 
@@ -53,20 +74,43 @@ class SelSyncStrategy(SyncStrategy):
 
     def __init__(
         self,
-        delta: float = 0.3,
+        delta: float | Literal["auto"] = "auto",
         window: int = 25,
         smoothing: float | None = None,
         aggregation: Aggregation = "parameters",
+        sync_fraction: float | None = None,
+        average_at_end: bool = True,
         **kwargs: Any,
     ) -> None:
-        check_real("delta", delta, 0.0, allow_inf=True)
+        if not (isinstance(delta, str) and delta == "auto"):
+            try:
+                check_real("delta", delta, 0.0, allow_inf=True)
+            except ValueError:
+                raise ValueError(
+                    f"delta must be 'auto' or a number in [0.0, inf] (inf allowed), got {delta!r}"
+                ) from None
+            if sync_fraction is not None:
+                raise ValueError(
+                    f"sync_fraction applies to delta='auto' only; with a fixed delta={delta!r} it must be None "
+                    f"(got {sync_fraction!r}). Pass delta='auto' to target a fraction of synchronised steps."
+                )
+        elif sync_fraction is not None:
+            check_real("sync_fraction", sync_fraction, 0.0, 1.0, low_open=True)
+        check_bool("average_at_end", average_at_end)
         check_int("window", window, 1, MAX_INT64)
         if smoothing is not None:
             check_real("smoothing", smoothing, 0.0, 1.0, low_open=True)
         if aggregation not in ("parameters", "gradients"):
             raise ValueError(f"aggregation must be 'parameters' or 'gradients', got {aggregation!r}")
         super().__init__(**kwargs)
-        self.delta = float(delta)
+        self.delta: float | Literal["auto"] = "auto" if delta == "auto" else float(delta)
+        self.sync_fraction: float | None = (
+            float(sync_fraction if sync_fraction is not None else DEFAULT_SYNC_FRACTION) if self.auto else None
+        )
+        self.average_at_end = average_at_end
+        self.calibrator: DeltaCalibrator | None = None
+        #: the threshold of the last vote (``delta`` itself when fixed)
+        self.threshold = 0.0 if self.auto else float(delta)
         self.window = window
         self.smoothing = smoothing
         self.aggregation: Aggregation = aggregation
@@ -77,6 +121,11 @@ class SelSyncStrategy(SyncStrategy):
         self._pending_vote: CommHandle | None = None
 
     @property
+    def auto(self) -> bool:
+        """Whether δ is set online (``delta="auto"``)."""
+        return self.delta == "auto"
+
+    @property
     def effective_smoothing(self) -> float:
         if self.smoothing is not None:
             return float(self.smoothing)
@@ -85,14 +134,26 @@ class SelSyncStrategy(SyncStrategy):
     def _on_flat_ready(self) -> None:
         if self.tracker is None:  # else restored from a checkpoint by load_strategy_state
             self.tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
-        self._vote = torch.zeros(2, dtype=torch.float32, device=self._comm_device())  # [votes, SIGTERM flags]
+        if self.auto and self.calibrator is None:  # else restored
+            self.calibrator = self._new_calibrator()
+        # [votes, SIGTERM flags] (+ with delta="auto": each rank's delta in its own slot, so the sum delivers all)
+        slots = 2 + (self.world_size if self.auto else 0)
+        self._vote = torch.zeros(slots, dtype=torch.float32, device=self._comm_device())
+
+    def _new_calibrator(self) -> DeltaCalibrator:
+        assert self.sync_fraction is not None
+        return DeltaCalibrator(self.sync_fraction, window=CALIBRATION_WINDOW, warmup=CALIBRATION_WARMUP)
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
         assert self.tracker is not None and self._vote is not None
         sq_norm = float(self.flat.grad_sq_norm())
         self.last_delta = self.tracker.update(sq_norm)
-        self._vote[0] = 1.0 if wants_sync(self.last_delta, self.delta) else 0.0
+        if self.calibrator is not None:
+            self.threshold = self.calibrator.threshold()
+            self._vote[2:].zero_()
+            self._vote[2 + self.global_rank] = self.last_delta if math.isfinite(self.last_delta) else math.inf
+        self._vote[0] = 1.0 if wants_sync(self.last_delta, self.threshold) else 0.0
         self._vote[1] = self._sigterm_flag()
         handle = self.comm.all_reduce(self._vote, op="sum", tag="vote", async_op=True)
         if self.aggregation == "gradients":
@@ -125,6 +186,8 @@ class SelSyncStrategy(SyncStrategy):
         handle.wait()
         assert self._vote is not None
         self.last_voters = int(self._vote[0].item())
+        if self.calibrator is not None:  # every rank holds every rank's delta: the same maximum everywhere
+            self.calibrator.observe(float(self._vote[2:].max().item()))
         return self.last_voters > 0
 
     # ------------------------------------------------------------------ metrics and state
@@ -132,12 +195,15 @@ class SelSyncStrategy(SyncStrategy):
         metrics = super().sync_metrics()
         metrics["delta"] = self.last_delta
         metrics["voters"] = float(self.last_voters)
+        metrics["threshold"] = self.threshold
         return metrics
 
     def strategy_state(self) -> dict[str, Any]:
         state = super().strategy_state()
         state["tracker"] = self.tracker.state_dict() if self.tracker is not None else None
         state["last_delta"] = self.last_delta
+        state["calibrator"] = self.calibrator.state_dict() if self.calibrator is not None else None
+        state["threshold"] = self.threshold
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -147,3 +213,18 @@ class SelSyncStrategy(SyncStrategy):
             tracker = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
             tracker.load_state_dict(state["tracker"])
             self.tracker = tracker
+        if self.auto:
+            if state.get("calibrator") is None:
+                raise ValueError(
+                    "the checkpoint holds no delta calibration (it was written with a fixed delta); resume it with "
+                    "the same delta it was trained with"
+                )
+            calibrator = self._new_calibrator()
+            calibrator.load_state_dict(state["calibrator"])
+            self.calibrator = calibrator
+            self.threshold = float(state["threshold"])
+        elif state.get("calibrator") is not None:
+            raise ValueError(
+                f"the checkpoint was written with delta='auto'; this run uses delta={self.delta}: resume with "
+                "delta='auto' (and the same sync_fraction)"
+            )
