@@ -170,7 +170,7 @@ def test_every_strategy_is_registered_by_name(name):
     assert type(trainer.strategy) in STRATEGIES
 
 
-def test_names_launch_as_lightning_ddp_and_spawn_variants_as_ddp_spawn():
+def test_names_launch_as_lightning_ddp_and_variants_as_ddp_spawn_and_ddp_notebook():
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
     from lightning_sync.strategies import STRATEGIES
@@ -180,7 +180,9 @@ def test_names_launch_as_lightning_ddp_and_spawn_variants_as_ddp_spawn():
         name = cls.strategy_name
         by_name = pl.Trainer(accelerator="cpu", devices=2, strategy=name, **_quiet()).strategy
         spawned = pl.Trainer(accelerator="cpu", devices=2, strategy=f"{name}_spawn", **_quiet()).strategy
-        assert type(by_name) is cls and type(spawned) is cls
+        forked = pl.Trainer(accelerator="cpu", devices=2, strategy=f"{name}_notebook", **_quiet()).strategy
+        assert type(by_name) is cls and type(spawned) is cls and type(forked) is cls
         assert by_name._start_method == "popen" and isinstance(by_name.launcher, _SubprocessScriptLauncher)
         assert spawned._start_method == "spawn" and isinstance(spawned.launcher, SyncLauncher)
+        assert forked._start_method == "fork" and forked.launcher.is_interactive_compatible  # allowed in notebooks
         assert cls()._start_method == "popen"  # the constructor's default is ddp's

@@ -188,12 +188,18 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     # ------------------------------------------------------------------ registry
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``strategy_name`` (launched as Lightning's ``ddp``: the script re-run per rank) and
-        ``<strategy_name>_spawn`` (as ``ddp_spawn``: for notebooks and pytest)."""
+        """Register ``strategy_name`` (launched as Lightning's ``ddp``: the script re-run per rank),
+        ``<strategy_name>_spawn`` (as ``ddp_spawn``: pytest, scripts that cannot be re-run) and
+        ``<strategy_name>_notebook`` (as ``ddp_notebook``: fork, the one start method Lightning allows in notebooks)."""
         if not cls.strategy_name:
             return
         description = cls.strategy_description or cls.__doc__ or ""
-        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
+        entries = (
+            (cls.strategy_name, "popen"),
+            (f"{cls.strategy_name}_spawn", "spawn"),
+            (f"{cls.strategy_name}_notebook", "fork"),
+        )
+        for name, start_method in entries:
             if name not in strategy_registry:
                 strategy_registry.register(
                     name, cls, description=f"{description} (start_method={start_method!r})", start_method=start_method

@@ -3,10 +3,10 @@
 ``Trainer(strategy="selsync")`` launches like Lightning's ``ddp``: the script is run again for every other rank
 (``start_method="popen"``, Lightning's ``_SubprocessScriptLauncher``), so the launching process *is* rank 0 and every
 value read after ``fit`` — predictions, ``trainer.global_step``, callback state, the strategy's counters — is rank
-0's own. With ``start_method="spawn"`` (``"<name>_spawn"``; notebooks and pytest) the ranks are child processes and
-the launching process's objects never trained. Lightning's :class:`_MultiProcessingLauncher` brings back
-``callback_metrics``, ``trainer.state``, the best checkpoint path and the weights; :class:`SyncLauncher` also brings
-back, from rank 0:
+0's own. With ``start_method="spawn"`` (``"<name>_spawn"``, pytest) or ``"fork"`` (``"<name>_notebook"``) the ranks
+are child processes and the launching process's objects never trained. Lightning's
+:class:`_MultiProcessingLauncher` brings back ``callback_metrics``, ``trainer.state``, the best checkpoint path and the
+weights; :class:`SyncLauncher` also brings back, from rank 0:
 
 * the strategy's :meth:`~lightning_sync.strategies.SyncStrategy.launch_summary` — ``sync_metrics()``,
   ``sync_event_metrics()``, the communication totals, the step counter and public result attributes such as the
