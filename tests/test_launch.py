@@ -54,7 +54,7 @@ def test_strategy_by_name_with_lightning_spawn():
     assert trainer.global_step == 6
     metrics = trainer.strategy.sync_metrics()
     assert metrics["sync_steps"] == m["sync/sync_steps"] and metrics["bytes_vote"] == m["sync/bytes_vote"]
-    assert trainer.strategy.step_counter.steps == 6 and trainer.strategy.comm_stats.bytes_sent["vote"] == 48
+    assert trainer.strategy.step_counter.steps == 6 and trainer.strategy.comm_stats.bytes_sent["vote"] == 96
     with pytest.raises(RuntimeError, match="not available in the launching process after a spawn launch"):
         trainer.strategy.strategy_state()
 
