@@ -21,6 +21,25 @@ def _restore_distributed_env():
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def _no_popen_launch_from_pytest(monkeypatch):
+    """``strategy="<name>"`` launches as Lightning's ``ddp``: it runs ``sys.argv`` again for every other rank, which
+    here is pytest. Fail such a test at once, saying what to use instead."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    call_children = _SubprocessScriptLauncher._call_children_scripts
+
+    def refuse(self):
+        if self.num_processes > 1:
+            raise RuntimeError(
+                "a test launched processes with start_method='popen' (strategy='<name>'), which would run pytest "
+                "again: use strategy='<name>_spawn' or start_method='spawn', or lightning_sync.launch.launch_local"
+            )
+        call_children(self)  # one process: nothing is started, training runs here
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", refuse)
+
+
 @pytest.fixture
 def single_process(monkeypatch):
     """A torchrun-like environment of one process: Lightning launches nothing and trains in this process."""

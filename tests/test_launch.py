@@ -1,5 +1,9 @@
 """How users launch: by name with Lightning's own spawn launcher, from a LightningCLI YAML, with one process,
-and what is rejected. The spawn-based tests here are the only ones that pay Lightning's import per fit."""
+and what is rejected. The spawn-based tests here are the only ones that pay Lightning's import per fit.
+
+``strategy="<name>"`` launches as Lightning's ``ddp``, by re-running the script (popen): from pytest that would run
+pytest again, so tests launch through Lightning with ``"<name>_spawn"`` or ``start_method="spawn"`` (conftest refuses
+a popen launch from inside pytest). The popen launch of a real script is tested in test_dropin.py."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def test_strategy_by_name_with_lightning_spawn():
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="selsync",
+        strategy="selsync_spawn",
         max_steps=6,
         limit_val_batches=0,
         callbacks=[SyncStats()],
@@ -44,8 +48,15 @@ def test_strategy_by_name_with_lightning_spawn():
     m = trainer.callback_metrics  # rank 0's logged metrics come back to the parent
     assert m["sync/sync_steps"] + m["sync/local_steps"] == 6
     assert m["sync/lssr"] == pytest.approx(float(m["sync/local_steps"]) / 6)
-    assert m["sync/bytes_vote"] == 8 * 6
+    assert m["sync/bytes_vote"] == 4 * (2 + 2) * 6  # delta="auto": [votes, SIGTERM, each rank's delta], float32
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # weights came back
+    # the launching process reads the workers' values (shipped back by the launcher), not its own untouched ones
+    assert trainer.global_step == 6
+    metrics = trainer.strategy.sync_metrics()
+    assert metrics["sync_steps"] == m["sync/sync_steps"] and metrics["bytes_vote"] == m["sync/bytes_vote"]
+    assert trainer.strategy.step_counter.steps == 6 and trainer.strategy.comm_stats.bytes_sent["vote"] == 96
+    with pytest.raises(RuntimeError, match="not available in the launching process after a spawn launch"):
+        trainer.strategy.strategy_state()
 
 
 def test_lightning_cli_yaml_class_path(tmp_path):
@@ -59,6 +70,7 @@ def test_lightning_cli_yaml_class_path(tmp_path):
             "--trainer.enable_progress_bar=false",
             "--trainer.strategy.init_args.delta=0.0",
             "--trainer.strategy.init_args.link=1gbit,1ms",
+            "--trainer.strategy.init_args.start_method=spawn",  # popen would re-run pytest
             f"--trainer.logger.init_args.save_dir={tmp_path}",
             "--test_after_fit=false",
         ]
@@ -156,3 +168,21 @@ def test_every_strategy_is_registered_by_name(name):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, **_quiet())
     assert type(trainer.strategy).strategy_name == name
     assert type(trainer.strategy) in STRATEGIES
+
+
+def test_names_launch_as_lightning_ddp_and_variants_as_ddp_spawn_and_ddp_notebook():
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    from lightning_sync.strategies import STRATEGIES
+    from lightning_sync.strategies.launcher import SyncLauncher
+
+    for cls in STRATEGIES:
+        name = cls.strategy_name
+        by_name = pl.Trainer(accelerator="cpu", devices=2, strategy=name, **_quiet()).strategy
+        spawned = pl.Trainer(accelerator="cpu", devices=2, strategy=f"{name}_spawn", **_quiet()).strategy
+        forked = pl.Trainer(accelerator="cpu", devices=2, strategy=f"{name}_notebook", **_quiet()).strategy
+        assert type(by_name) is cls and type(spawned) is cls and type(forked) is cls
+        assert by_name._start_method == "popen" and isinstance(by_name.launcher, _SubprocessScriptLauncher)
+        assert spawned._start_method == "spawn" and isinstance(spawned.launcher, SyncLauncher)
+        assert forked._start_method == "fork" and forked.launcher.is_interactive_compatible  # allowed in notebooks
+        assert cls()._start_method == "popen"  # the constructor's default is ddp's

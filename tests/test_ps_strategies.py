@@ -254,6 +254,7 @@ def test_aladdin_trains_from_yaml_with_lightning_spawn(tmp_path):
             "fit",
             "--config",
             str(CONFIGS / "aladdin.yaml"),
+            "--trainer.strategy.init_args.start_method=spawn",  # popen would re-run pytest
             "--trainer.max_epochs=1",
             "--trainer.limit_val_batches=2",
             "--trainer.enable_progress_bar=false",
@@ -277,7 +278,7 @@ def test_exception_on_one_rank_ends_all_ranks_with_that_error():
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ASPStrategy(timeout=TIMEOUT),
+        strategy=ASPStrategy(timeout=TIMEOUT, start_method="spawn"),
         max_epochs=1,
         limit_val_batches=0,
         **quiet_trainer_kwargs(),
@@ -327,9 +328,32 @@ class _LogsSyncDistOnStep(DigitsCNN):
         return loss
 
 
-def test_per_step_collective_logging_raises_a_clear_error(single_process):
-    with pytest.raises(RuntimeError, match="inside a training batch"):
-        _fit_local(ALADDINStrategy(), model=_LogsSyncDistOnStep())
+def test_per_step_sync_dist_logging_logs_the_rank_value_and_warns_once(single_process):
+    with pytest.warns(UserWarning, match=r"self.log\('train/synced', \.\.\., sync_dist=True\) inside a training batch"):
+        trainer = _fit_local(ALADDINStrategy(), model=_LogsSyncDistOnStep())
+    assert trainer.strategy._warned_local_logs == {"train/synced"}  # once per metric, not once per step
+    assert trainer.global_step > 1
+    assert trainer.callback_metrics["train/synced"] == trainer.callback_metrics["train/loss"]  # the rank's own value
+
+
+class _CollectivesInStep(DigitsCNN):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.what == "reduce":
+            self.trainer.strategy.reduce(loss.detach())
+        else:
+            self.trainer.strategy.barrier()
+        return loss
+
+
+@pytest.mark.parametrize("what,match", [("reduce", "A collective reduce"), ("barrier", "A barrier")])
+def test_other_per_step_collectives_raise_a_clear_error(single_process, what, match):
+    with pytest.raises(RuntimeError, match=f"{match} inside a training batch"):
+        _fit_local(ALADDINStrategy(), model=_CollectivesInStep(what))
 
 
 def test_seldp_is_rejected(single_process):

@@ -382,6 +382,7 @@ def base_specs(parameter_server: bool = False) -> dict[str, Arg]:
             r"compression must be None, 'bf16', 'fp16' or 'int8'",
             note="what the tensors can take (floating point; a cast narrower than the data) is checked at setup",
         ),
+        "sync_stats": bool_arg("sync_stats"),
         "injection": injection,
         "injection_seed": int_arg("injection_seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         "accelerator": Arg(
@@ -472,6 +473,18 @@ def _with(base: dict[str, Arg], **own: Arg) -> dict[str, Arg]:
     return {**base, **own}
 
 
+def _auto_or(number: Arg, message: str) -> Arg:
+    """``"auto"`` or what ``number`` allows (SelSync's ``delta``)."""
+    return Arg(
+        allowed=f"'auto' or {number.allowed}",
+        valid=number.valid | st.just("auto"),
+        invalid=number.invalid,
+        message=message,
+        edges_valid=(*number.edges_valid, "auto"),
+        edges_invalid=(*number.edges_invalid, "AUTO", "", " auto"),
+    )
+
+
 _SHARD = int_arg("shard_size", 1)
 _PUSH_SCALE = {
     "update_scale": Arg(
@@ -505,7 +518,11 @@ SPECS: dict[type, dict[str, Arg]] = {
     ),
     SelSyncStrategy: _with(
         base_specs(),
-        delta=real_arg("delta", 0.0, allow_inf=True),
+        delta=_auto_or(real_arg("delta", 0.0, allow_inf=True), r"delta must be 'auto' or a number in \[0\.0, inf\]"),
+        sync_fraction=real_arg(
+            "sync_fraction", 0.0, 1.0, low_open=True, none_ok=True, note="with a fixed delta it must be None (checked)"
+        ),
+        average_at_end=bool_arg("average_at_end"),
         window=int_arg("window", 1, MAX_INT64, note="upper bound: a deque's maxlen"),
         smoothing=real_arg("smoothing", 0.0, 1.0, low_open=True, none_ok=True),
         aggregation=choice_arg(
@@ -796,7 +813,7 @@ def test_every_constructor_argument_has_a_spec():
 def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_through():
     base = set(inspect.signature(SyncStrategy.__init__).parameters) - {"self"}
     assert set(PASS_THROUGH) <= base
-    assert base == {"link", "verify_sync", "injection", "injection_seed", "compression", *PASS_THROUGH}
+    assert base == {"link", "verify_sync", "sync_stats", "injection", "injection_seed", "compression", *PASS_THROUGH}
     for cls in STRATEGIES:
         assert base <= _constructor_arguments(cls), cls.__name__
         for name in PASS_THROUGH:

@@ -12,7 +12,12 @@ A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication
   per rank counts bytes sent, collectives and seconds blocked, and an optional
   :class:`~lightning_sync.comm.LinkModel` delays each operation as a slower network would;
 * per-rank state (counters, accounting, each method's own; each rank's model and optimizer state when replicas
-  can differ) is written beside the checkpoint by every rank and restored to the same trajectory.
+  can differ) is written beside the checkpoint by every rank and restored to the same trajectory;
+* it is a drop-in for Lightning's ``ddp``: launched the same way (``"<name>"`` re-runs the script for the other ranks,
+  ``"<name>_spawn"`` spawns them and ships rank 0's results back, :mod:`~lightning_sync.strategies.launcher`);
+  validation during fit of a method whose replicas diverge evaluates the global model (the replicas' average,
+  swapped in for validation and each rank's own put back bit-exactly), and checkpoints' main file holds it; and
+  :class:`~lightning_sync.callbacks.SyncStats` is added unless the user did (``sync_stats=False`` opts out).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -31,7 +37,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -59,6 +65,7 @@ from lightning_sync.strategies.checks import (
 )
 from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.injection import DataInjector
+from lightning_sync.strategies.launcher import SyncLauncher
 from lightning_sync.strategies.sigterm import SigtermCheck
 
 __all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
@@ -69,6 +76,15 @@ log = logging.getLogger(__name__)
 VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 
 DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
+
+
+def _refuse_after_spawn(name: str, what: str, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        f"{name}.{what} is not available in the launching process after a spawn launch: the ranks trained in child "
+        "processes, and only rank 0's sync_metrics(), sync_event_metrics(), comm_stats, step_counter and result "
+        "summaries came back. Read those, or launch by re-running the script (strategy='<name>', start_method="
+        "'popen', as Lightning's 'ddp'), where the launching process is rank 0."
+    )
 
 
 class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPStrategy):
@@ -94,8 +110,13 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             parameter server's pushes and pulls (:mod:`lightning_sync.comm.compression`). Sums are taken in fp32.
             Small control collectives (votes, statistics, SIGTERM flags), floating buffers averaged with gradients,
             the setup broadcast, checkpoints and the parameter server's meeting-point gathers stay exact.
-        start_method: how Lightning launches processes when it launches them: ``"popen"``, ``"spawn"`` (default),
-            ``"fork"`` or ``"forkserver"``; ignored under torchrun/SLURM, which start the processes themselves.
+        sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
+            and the loggers) when the Trainer has none; ``False`` adds nothing.
+        start_method: how Lightning launches processes when it launches them, as for its ``ddp``: ``"popen"``
+            (default: the script is run again for every other rank, the launching process is rank 0), ``"spawn"``
+            (registered as ``"<name>_spawn"``: for notebooks and pytest; rank 0's results are shipped back, see
+            :mod:`~lightning_sync.strategies.launcher`), ``"fork"`` or ``"forkserver"``; ignored under torchrun/SLURM,
+            which start the processes themselves.
         timeout: collective timeout, a ``timedelta`` > 0, or ``None`` for torch's default.
         process_group_backend: ``None`` (Lightning's choice: gloo on CPU, nccl on GPU) or a backend name.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: ``DDPStrategy``'s,
@@ -132,6 +153,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     #: The outer optimizer of parameter averaging (DiLoCo), parsed by the strategies that take an ``outer_optimizer``
     #: argument (``core.outer.parse_outer_optimizer``); None: plain averaging. See :meth:`average_state`.
     outer_config: OuterSGD | None = None
+    #: Whether validation during fit averages diverged replicas into the module (tag ``"eval"``) and puts each rank's
+    #: own back afterwards, and the main checkpoint file holds that average. Only meaningful with
+    #: :attr:`replicas_diverge`; the parameter-server strategies set ``False``: they swap in the servers' model.
+    averages_for_eval: ClassVar[bool] = True
+    #: Public result attributes a spawn launch copies from rank 0 to the launching process (when the strategy has them).
+    summary_attributes: ClassVar[tuple[str, ...]] = ("server_summary", "switches")
 
     def __init__(
         self,
@@ -140,6 +167,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         injection: tuple[float, float] | None = None,
         injection_seed: int = 0,
         compression: str | None = None,
+        sync_stats: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,10 +175,11 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "spawn",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         link = check_link(link)
         check_bool("verify_sync", verify_sync)
+        check_bool("sync_stats", sync_stats)
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
         injection_seed = check_int("injection_seed", injection_seed, 0)
@@ -172,6 +201,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         #: ``LIGHTNING_SYNC_VERIFY=1`` in the environment turns the check on for every strategy (a test mode: run
         #: a whole suite or job with the invariants checked at every sync without editing its configuration)
         self.verify_sync = verify_sync or os.environ.get(VERIFY_ENV, "0") not in ("", "0")
+        self.sync_stats = sync_stats
         self.comm_stats = CommStats()
         self.step_counter = StepCounter()
         self._comm: Communicator | None = None
@@ -195,42 +225,74 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         #: with :attr:`outer_config`: the global parameters and outer momentum (built when the flat state exists)
         self.outer: OuterOptimizer | None = None
         self._updates_since_average = 0  # optimizer updates since the last parameter averaging (outer step)
+        self._eval_replica: list[Tensor] | None = None  # this rank's replica while the global model is swapped in
+        self._main_state_dict: dict[str, Any] | None = None  # what the main checkpoint file holds during a save
+        self._adopted: dict[str, Any] | None = None  # rank 0's launch summary, in the launching process after spawn
 
     # ------------------------------------------------------------------ registry
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.strategy_name and cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description=cls.strategy_description or cls.__doc__ or ""
-            )
+        """Register ``strategy_name`` (launched as Lightning's ``ddp``: the script re-run per rank),
+        ``<strategy_name>_spawn`` (as ``ddp_spawn``: pytest, scripts that cannot be re-run) and
+        ``<strategy_name>_notebook`` (as ``ddp_notebook``: fork, the one start method Lightning allows in notebooks)."""
+        if not cls.strategy_name:
+            return
+        description = cls.strategy_description or cls.__doc__ or ""
+        entries = (
+            (cls.strategy_name, "popen"),
+            (f"{cls.strategy_name}_spawn", "spawn"),
+            (f"{cls.strategy_name}_notebook", "fork"),
+        )
+        for name, start_method in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"{description} (start_method={start_method!r})", start_method=start_method
+                )
 
     def _configure_launcher(self) -> None:
-        """Under torchrun, SLURM or any launcher that starts the processes itself (``LOCAL_RANK`` set), launch
-        nothing whatever ``start_method`` says; Lightning's ``DDPStrategy`` would spawn again inside each process.
-        So ``strategy="selsync"`` goes multi-node by configuration alone."""
+        """As Lightning's ``DDPStrategy``: ``"popen"`` re-runs the script for every other rank, ``"spawn"``/``"fork"``
+        start child processes (with :class:`~lightning_sync.strategies.launcher.SyncLauncher`, which ships rank 0's
+        results back). Under torchrun, SLURM or any launcher that starts the processes itself (``LOCAL_RANK`` set),
+        launch nothing whatever ``start_method`` says; Lightning's ``DDPStrategy`` would spawn again inside each
+        process. So ``strategy="selsync"`` goes multi-node by configuration alone."""
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally or self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            super()._configure_launcher()
+            self._launcher = SyncLauncher(self, start_method=self._start_method)
 
     # ------------------------------------------------------------------ accessors
     @property
     def comm(self) -> Communicator:
         if self._comm is None:
+            if self._adopted is not None:
+                _refuse_after_spawn(type(self).__name__, "comm")
             raise RuntimeError(f"{type(self).__name__} has no communicator before setup_environment()")
         return self._comm
 
     @property
     def flat(self) -> FlatState:
         if self._flat is None:
+            if self._adopted is not None:
+                _refuse_after_spawn(type(self).__name__, "flat")
             raise RuntimeError(f"{type(self).__name__} has no flat state before setup() while fitting")
         return self._flat
 
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
+        self._forget_launch_summary()
         super().setup_environment()
         self._comm = Communicator(self.comm_stats, self.link)
+        self._add_sync_stats()
+
+    def _add_sync_stats(self) -> None:
+        """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
+        before Lightning calls the callbacks' ``setup``, so the callback is set up like one the user passed."""
+        from lightning_sync.callbacks.stats import SyncStats
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.sync_stats and trainer is not None and not any(isinstance(cb, SyncStats) for cb in trainer.callbacks):
+            trainer.callbacks.append(SyncStats())
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
@@ -381,6 +443,87 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 self.average_state(tag="final")
         elif self._updates_since_average > 0:
             self.average_state(tag="final")
+
+    # ------------------------------------------------------------------ evaluating the global model
+    def _evaluates_average(self) -> bool:
+        """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
+        average instead of each rank's own."""
+        return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.world_size > 1
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._evaluates_average():
+            # every rank validates the global model w = W 1/n, so metrics, EarlyStopping and ModelCheckpoint decide
+            # on one value; each rank's own replica waits in a scratch copy and is put back bit-exactly afterwards
+            self._eval_replica = self._swap_in_average("eval")
+
+    def on_validation_end(self) -> None:
+        # after the callbacks' on_validation_end (ModelCheckpoint saves there, with the average swapped in)
+        if self._eval_replica is not None:
+            self._put_back(self._eval_replica)
+            self._eval_replica = None
+        super().on_validation_end()
+
+    def _swap_in_average(self, tag: str) -> list[Tensor]:
+        """Average parameters and buffers into the module (one exact all-reduce per flat buffer, counted under
+        ``tag``); return this rank's values from before, for :meth:`_put_back`.
+
+        This is an observation, not a sync: it changes no method state — no outer-optimizer step (with DiLoCo's
+        outer optimizer, validation sees the replicas' plain mean, not the next outer step), no compression
+        reference or error feedback (the mean is exact, in the data's dtype)."""
+        tensors = self.flat.state_tensors()
+        replica = [t.detach().clone() for t in tensors]
+        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        return replica
+
+    def _put_back(self, replica: list[Tensor]) -> None:
+        for tensor, saved in zip(self.flat.state_tensors(), replica):
+            tensor.copy_(saved)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Each rank's part holds its own replica; the main file the global model (see :meth:`_main_file_checkpoint`).
+        A save while validation has the average swapped in (``ModelCheckpoint`` saves in ``on_validation_end``) has
+        that average in ``checkpoint``: the main file keeps it — the model whose score was just monitored — and the
+        parts are written with each rank's replica put back for the moment."""
+        if self._eval_replica is None or self._comm is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._main_state_dict = {k: v.detach().clone() for k, v in checkpoint["state_dict"].items()}
+        average = [t.detach().clone() for t in self.flat.state_tensors()]
+        self._put_back(self._eval_replica)
+        try:
+            own = {**checkpoint, "state_dict": self.lightning_module_state_dict()}
+            super().save_checkpoint(own, filepath, storage_options=storage_options)
+        finally:
+            self._put_back(average)
+            self._main_state_dict = None
+
+    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The main file holds the global model (the replicas' average; during validation, the one validated), so
+        ``trainer.test(ckpt_path="best")`` and any consumer of the file get the same model on every rank. Outside
+        validation the average costs one all-reduce, tagged ``"checkpoint"`` (bookkeeping, not training traffic)."""
+        if self._main_state_dict is not None:
+            return {**checkpoint, "state_dict": self._main_state_dict}
+        if not self._evaluates_average():
+            return checkpoint
+        replica = self._swap_in_average("checkpoint")
+        try:
+            average = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
+        finally:
+            self._put_back(replica)
+        return {**checkpoint, "state_dict": average}
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Every rank reads the file rank 0 wrote: ranks whose step counts differ (the asynchronous methods) name
+        the same checkpoint differently (``ModelCheckpoint``'s ``{step}``), so ``ckpt_path="best"`` resolves to rank
+        0's name on every rank (one broadcast). Validate/test/predict from a checkpoint evaluate the global model in
+        the main file on every rank; a resumed fit restores each rank's own part."""
+        if self._comm is not None and self.world_size > 1:
+            checkpoint_path = self.comm.broadcast_object(checkpoint_path, src=0, tag="checkpoint")
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING and self.replicas_diverge:
+            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def _after_update(self, optimizer: Optimizer) -> None:
         """The optimizer has applied this step's update."""
@@ -537,6 +680,41 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def sync_event_metrics(self) -> dict[str, float]:
         """Method-specific values :class:`~lightning_sync.callbacks.SyncStats` logs at every step that synced."""
         return {}
+
+    # ------------------------------------------------------------------ results after a spawn launch
+    def launch_summary(self) -> dict[str, Any]:
+        """What a spawn launch ships from rank 0 to the launching process
+        (:class:`~lightning_sync.strategies.launcher.SyncLauncher`): :meth:`sync_metrics`, :meth:`sync_event_metrics`,
+        the communication totals, the step counter and the :attr:`summary_attributes` this strategy has."""
+        return {
+            "metrics": self.sync_metrics(),
+            "event_metrics": self.sync_event_metrics(),
+            "comm": self.comm_stats.state_dict(),
+            "steps": self.step_counter.state_dict(),
+            "attributes": {n: getattr(self, n) for n in self.summary_attributes if hasattr(self, n)},
+        }
+
+    def adopt_launch_summary(self, summary: dict[str, Any]) -> None:
+        """In the launching process after a spawn launch: take rank 0's :meth:`launch_summary`. ``sync_metrics()``
+        and ``sync_event_metrics()`` then return rank 0's values (subclasses compute theirs from state this process
+        never had, so the answers are pinned on the instance); ``comm``, ``flat`` and :meth:`strategy_state` raise."""
+        self.comm_stats.load_state_dict(summary["comm"])
+        self.step_counter.load_state_dict(summary["steps"])
+        for name, value in summary["attributes"].items():
+            setattr(self, name, value)
+        self._adopted = summary
+        self.__dict__.update(  # instance attributes shadow the (subclasses') methods
+            sync_metrics=partial(dict, summary["metrics"]),
+            sync_event_metrics=partial(dict, summary["event_metrics"]),
+            strategy_state=partial(_refuse_after_spawn, type(self).__name__, "strategy_state()"),
+        )
+
+    def _forget_launch_summary(self) -> None:
+        """A new launch of this strategy object trains or evaluates for itself again."""
+        if self._adopted is not None:
+            for name in ("sync_metrics", "sync_event_metrics", "strategy_state"):
+                self.__dict__.pop(name, None)
+            self._adopted = None
 
     # ------------------------------------------------------------------ state
     def strategy_state(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ back global parameters as its method says. Ranks never meet during an epoch: the
 
 from __future__ import annotations
 
+import sys
 from abc import abstractmethod
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -15,8 +16,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -49,8 +51,11 @@ class ParameterServerStrategy(SyncStrategy):
     Lightning features that would make ranks at different step counts meet are rejected at setup with the reason:
     ``val_check_interval`` other than 1.0 or ``check_val_every_n_epoch=None``, ``ModelCheckpoint`` every N training
     steps or every time interval, ``max_time`` / a step-interval ``Timer``, fractional ``limit_train_batches``;
-    and at run time, any collective Lightning issues inside a training batch (``self.log(..., sync_dist=True,
-    on_step=True)``) raises, saying to log ``on_epoch`` or without ``sync_dist``. ``EarlyStopping`` and
+    and at run time, a collective Lightning would issue inside a training batch raises, saying why — except the
+    reduction of ``self.log(..., sync_dist=True)`` for the step's value, one of the most common lines in Lightning
+    code: it logs this rank's own value (what a rank can honestly log without meeting the others) with a one-time
+    warning per metric naming ``on_epoch=True`` for a global value (reduced at the epoch end, where ranks meet).
+    ``EarlyStopping`` and
     epoch-based ``ModelCheckpoint`` work. ``injection`` and :class:`~lightning_sync.callbacks.SelDP` are not
     available (batches come from the shared order).
 
@@ -66,6 +71,7 @@ class ParameterServerStrategy(SyncStrategy):
     replicas_diverge = True
     carries_sigterm = True
     supports_accumulation = True
+    averages_for_eval = False  # validation and checkpoints swap in the servers' global model instead
 
     def __init__(self, shard_size: int = 1 << 22, **kwargs: Any) -> None:
         self.shard_size = check_int("shard_size", shard_size, 1)
@@ -84,7 +90,9 @@ class ParameterServerStrategy(SyncStrategy):
         self._replica: Tensor | None = None
         self._pending_ps_state: dict[str, Any] | None = None
         self._sigterm_seen = False
+        self._warned_local_logs: set[str] = set()
         self.exhausted_epochs = 0
+        self._resume_epoch: int | None = None  # after a resume: the epoch the first training iteration trains
         #: after fit: this rank's final server and worker counters (pushes, parameters received, SSP clock log, ...)
         self.server_summary: dict[str, Any] = {}
 
@@ -133,7 +141,15 @@ class ParameterServerStrategy(SyncStrategy):
             dataloader = dynamic_loader(dataloader, claim=self._claim, on_exhausted=self._on_exhausted)
             # Lightning creates the iterator (and prefetches, claiming a position) before its first set_epoch; a
             # run resumed from an epoch-end checkpoint must start in the epoch it resumes (its shuffle, its counter)
-            dataloader.batch_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            if self._resume_epoch is not None:
+                # Lightning builds and prefetches this iterator when estimated_stepping_batches is first read (e.g. in
+                # configure_optimizers), before a resumed run restores its loops: the epoch count is then still 0,
+                # and the resumed epoch would draw epoch 0's shuffle and counter and end with finish_epoch(0) while
+                # its pushes carry the trainer's epoch (SSP then holds a rank back for a worker it thinks still
+                # trains: a hang). This rank's restored count of finished epochs is the epoch it resumes.
+                epoch, self._resume_epoch = max(epoch, self._resume_epoch), None
+            dataloader.batch_sampler.set_epoch(epoch)
         return dataloader
 
     def _claim(self, epoch: int) -> int:
@@ -315,13 +331,6 @@ class ParameterServerStrategy(SyncStrategy):
             self.comm.barrier(tag="checkpoint")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
-            # validate/test/predict from a checkpoint evaluate the global model in the main file
-            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
     def strategy_state(self) -> dict[str, Any]:
         state = super().strategy_state()
         state["ps"] = self.ps.state_dict()
@@ -331,6 +340,7 @@ class ParameterServerStrategy(SyncStrategy):
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         super().load_strategy_state(state)
         self.exhausted_epochs = int(state.get("exhausted_epochs", 0))
+        self._resume_epoch = self.exhausted_epochs
         if self._ps is not None:
             self._ps.load_state_dict(state["ps"])
         else:
@@ -367,8 +377,25 @@ class ParameterServerStrategy(SyncStrategy):
             )
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        self._refuse_mid_batch("A collective reduce (e.g. self.log(..., sync_dist=True, on_step=True))")
+        if self._mid_batch():
+            metric = _logged_metric_name()
+            if metric is None:
+                self._refuse_mid_batch("A collective reduce")
+            self._warn_local_log(metric)
+            return tensor  # the rank's own value: no collective inside a batch
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def _warn_local_log(self, metric: str) -> None:
+        if metric in self._warned_local_logs:
+            return
+        self._warned_local_logs.add(metric)
+        rank_zero_warn(
+            f"self.log({metric!r}, ..., sync_dist=True) inside a training batch with {type(self).__name__}: ranks run "
+            "different numbers of batches, so the step's value cannot be reduced across them; each rank logs its own "
+            f"(the logger shows rank 0's). For a global value log it with on_epoch=True: the epoch's value is reduced "
+            "across ranks at the epoch end, where they meet.",
+            category=UserWarning,
+        )
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._refuse_mid_batch("A barrier")
@@ -392,3 +419,18 @@ class ParameterServerStrategy(SyncStrategy):
             self._work = None
         self._prev = self._delta = self._host = self._replica = None
         super().teardown()
+
+
+def _logged_metric_name() -> str | None:
+    """The name of the metric whose per-step value Lightning is reducing, when the reduce comes from
+    ``self.log(..., sync_dist=True)`` (Lightning's ``_ResultMetric.update`` calls the strategy's ``reduce`` for the
+    step's value); ``None`` for a reduce from anywhere else."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _ResultMetric) and frame.f_code.co_name == "update":
+            return str(owner.meta.name)
+        frame = frame.f_back
+    return None

@@ -11,11 +11,16 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle
 from lightning_sync.core import DeviceGradientChangeTracker
+from lightning_sync.core.calibration import CALIBRATION_WARMUP, CALIBRATION_WINDOW, DeltaCalibrator
 from lightning_sync.core.outer import parse_outer_optimizer
-from lightning_sync.core.validation import MAX_INT64, check_int, check_real
+from lightning_sync.core.validation import MAX_INT64, check_bool, check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
 
 Aggregation = Literal["parameters", "gradients"]
+
+#: ``sync_fraction`` when ``delta="auto"`` and none is given: the fraction of steps that synchronise. Chosen from
+#: measurements (README, "SelSync's threshold"; ``benchmarks/dropin.py --selsync-sweep``).
+DEFAULT_SYNC_FRACTION = 0.25
 
 
 class SelSyncStrategy(SyncStrategy):
@@ -26,9 +31,10 @@ class SelSyncStrategy(SyncStrategy):
     1. after backward, the squared norm of the local gradient (one fused dot product over the flat gradient
        buffer) feeds a :class:`~lightning_sync.core.DeviceGradientChangeTracker`: EWMA over ``window`` steps with
        factor ``smoothing``, relative change :math:`\Delta(g_i)` of Eq. 2;
-    2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one 8-byte all-reduce sums the votes
+    2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one small all-reduce sums the votes
        (line 12 — the paper all-gathers an N-bit array; a sum carries the same "any" plus the voter count). The
-       same 8-byte all-reduce carries Lightning's per-step SIGTERM flag, so a local step costs one round trip;
+       same all-reduce carries Lightning's per-step SIGTERM flag (8 bytes in all; with ``delta="auto"`` also every
+       rank's Δ: 4(N+2) bytes), so a local step costs one round trip;
     3. ``aggregation="parameters"`` (default, lines 9 and 13-15): the optimizer applies the local update, then, if
        any rank voted, parameters and buffers are averaged (one all-reduce). The vote's all-reduce is launched
        asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
@@ -44,6 +50,13 @@ class SelSyncStrategy(SyncStrategy):
     can the gradients (one all-reduce, not overlapped with backward) go; a local step still pays the vote's round
     trip before its update.
 
+    ``delta="auto"`` (default) sets δ online (:class:`~lightning_sync.core.calibration.DeltaCalibrator`): each
+    step's vote all-reduce also carries every rank's Δ (one float per rank in its own slot, so the sum delivers all of
+    them), every rank feeds the same maximum to the calibrator, and δ for the next step is the quantile of the last
+    100 maxima that lets ``sync_fraction`` of them through — the same δ on every rank with no further message. The
+    first 10 steps sync while the window fills. The paper's fixed threshold is ``delta=0.3, smoothing=None``
+    (calibrated for 16 workers: with 2-4 ranks its N/100 smoothing keeps Δ below 0.3 and SelSync almost never syncs).
+
     :math:`\delta=0` syncs every step: with parameter aggregation and identical replicas this is BSP (for SGD
     with momentum and weight decay exactly, because the update is linear in the gradient: the mean of the
     ranks' momentum buffers follows BSP's momentum recursion; not with ``gradient_clip_val``, which clips each rank's
@@ -51,8 +64,13 @@ class SelSyncStrategy(SyncStrategy):
     no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
     every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 8-byte votes travel.
 
+    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
+    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
+    (local steps leave the replicas different under either aggregation).
+
     Args:
-        delta: threshold :math:`\delta \ge 0` on the relative gradient change (``float('inf')`` allowed).
+        delta: ``"auto"`` (default: set online to meet ``sync_fraction``) or a fixed threshold :math:`\delta \ge 0` on
+            the relative gradient change (``float('inf')`` allowed; the paper: 0.3).
         window: EWMA window in steps (paper: 25), an integer in [1, 2**63 - 1].
         smoothing: EWMA factor in (0, 1]; ``None`` uses the paper's :math:`N/100` for world size N (capped at 1).
         aggregation: ``"parameters"`` (the paper's recommendation) or ``"gradients"``.
@@ -60,6 +78,9 @@ class SelSyncStrategy(SyncStrategy):
             such as ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): each sync's mean
             of the replicas gives the pseudo-gradient, the outer optimizer steps the global parameters and every rank
             takes them (see :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`).
+        sync_fraction: with ``delta="auto"``, the target fraction of synchronised steps, in (0, 1] (LSSR ≈
+            1/f − 1); ``None`` = 0.25. Must be ``None`` with a fixed ``delta``.
+        average_at_end: average the replicas once more when training ends (a bool).
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
     """
 
@@ -69,14 +90,30 @@ class SelSyncStrategy(SyncStrategy):
 
     def __init__(
         self,
-        delta: float = 0.3,
+        delta: float | Literal["auto"] = "auto",
         window: int = 25,
         smoothing: float | None = None,
         aggregation: Aggregation = "parameters",
         outer_optimizer: Mapping[str, Any] | None = None,
+        sync_fraction: float | None = None,
+        average_at_end: bool = True,
         **kwargs: Any,
     ) -> None:
-        check_real("delta", delta, 0.0, allow_inf=True)
+        if not (isinstance(delta, str) and delta == "auto"):
+            try:
+                check_real("delta", delta, 0.0, allow_inf=True)
+            except ValueError:
+                raise ValueError(
+                    f"delta must be 'auto' or a number in [0.0, inf] (inf allowed), got {delta!r}"
+                ) from None
+            if sync_fraction is not None:
+                raise ValueError(
+                    f"sync_fraction applies to delta='auto' only; with a fixed delta={delta!r} it must be None "
+                    f"(got {sync_fraction!r}). Pass delta='auto' to target a fraction of synchronised steps."
+                )
+        elif sync_fraction is not None:
+            check_real("sync_fraction", sync_fraction, 0.0, 1.0, low_open=True)
+        check_bool("average_at_end", average_at_end)
         check_int("window", window, 1, MAX_INT64)
         if smoothing is not None:
             check_real("smoothing", smoothing, 0.0, 1.0, low_open=True)
@@ -91,18 +128,30 @@ class SelSyncStrategy(SyncStrategy):
                 "aggregation='parameters' with an outer optimizer."
             )
         super().__init__(**kwargs)
-        self.delta = float(delta)
+        self.delta: float | Literal["auto"] = "auto" if delta == "auto" else float(delta)
+        self.sync_fraction: float | None = (
+            float(sync_fraction if sync_fraction is not None else DEFAULT_SYNC_FRACTION) if self.auto else None
+        )
+        self.average_at_end = average_at_end
+        self.calibrator: DeltaCalibrator | None = None
+        #: the threshold of the last vote (``delta`` itself when fixed)
+        self.threshold = 0.0 if self.auto else float(delta)
         self.window = window
         self.smoothing = smoothing
         self.aggregation: Aggregation = aggregation
         self.tracker: DeviceGradientChangeTracker | None = None
         self.last_voters = 0
-        self._vote: torch.Tensor | None = None  # [votes, SIGTERM flags | this rank's norm was finite]
+        self._vote: torch.Tensor | None = None  # see _on_flat_ready
         self._sigterm_votes = 0.0
         self._pending_vote: CommHandle | None = None
 
     def _averages_state(self) -> bool:
         return self.aggregation == "parameters"
+
+    @property
+    def auto(self) -> bool:
+        """Whether δ is set online (``delta="auto"``)."""
+        return self.delta == "auto"
 
     @property
     def effective_smoothing(self) -> float:
@@ -123,7 +172,19 @@ class SelSyncStrategy(SyncStrategy):
     def _on_flat_ready(self) -> None:
         if self.tracker is None:  # else restored from a checkpoint by load_strategy_state
             self.tracker = self._new_tracker()
-        self._vote = torch.zeros(3, dtype=torch.float32, device=self.tracker.device)
+        if self.auto and self.calibrator is None:  # else restored
+            self.calibrator = self._new_calibrator()
+        # [votes, SIGTERM flags, (delta="auto": each rank's delta in its own slot, so the sum delivers them all),
+        #  whether this rank's norm was finite (local: read with the vote, not sent)]
+        self._vote = torch.zeros(self._vote_slots() + 1, dtype=torch.float32, device=self.tracker.device)
+
+    def _vote_slots(self) -> int:
+        """How many floats the vote all-reduce sends."""
+        return 2 + (self.world_size if self.auto else 0)
+
+    def _new_calibrator(self) -> DeltaCalibrator:
+        assert self.sync_fraction is not None
+        return DeltaCalibrator(self.sync_fraction, window=CALIBRATION_WINDOW, warmup=CALIBRATION_WARMUP)
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
@@ -155,10 +216,14 @@ class SelSyncStrategy(SyncStrategy):
         assert self.tracker is not None and self._vote is not None
         delta, finite = self.tracker.update(self.flat.grad_sq_norm())
         vote = self._vote
-        vote[0].copy_(delta >= self.delta)  # core.wants_sync
+        if self.calibrator is not None:  # delta for this step from the maxima observed so far (host floats)
+            self.threshold = self.calibrator.threshold()
+            vote[2:-1].zero_()
+            vote[2 + self.global_rank].copy_(delta)  # inf for a non-finite norm: the calibrator counts it as a sync
+        vote[0].copy_(delta >= self.threshold)  # core.wants_sync
         vote[1].fill_(self._sigterm_flag())
-        vote[2].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
-        return vote[:2]
+        vote[-1].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
+        return vote[: self._vote_slots()]
 
     def _stop_if_sigterm(self) -> None:
         if self._sigterm_votes > 0:  # some rank received SIGTERM before this step's vote: all stop here
@@ -167,9 +232,12 @@ class SelSyncStrategy(SyncStrategy):
     def _resolve_vote(self, handle: CommHandle) -> bool:
         handle.wait()
         assert self._vote is not None and self.tracker is not None
-        votes, self._sigterm_votes, finite = self._vote.tolist()  # the step's one host read
+        values = self._vote.tolist()  # the step's one host read
+        votes, self._sigterm_votes, finite = values[0], values[1], values[-1]
         self.tracker.commit(finite > 0)
         self.last_voters = int(votes)
+        if self.calibrator is not None:  # every rank holds every rank's delta: the same maximum everywhere
+            self.calibrator.observe(max(values[2:-1]))
         return self.last_voters > 0
 
     # ------------------------------------------------------------------ metrics and state
@@ -177,12 +245,15 @@ class SelSyncStrategy(SyncStrategy):
         metrics = super().sync_metrics()
         metrics["delta"] = self.last_delta
         metrics["voters"] = float(self.last_voters)
+        metrics["threshold"] = self.threshold
         return metrics
 
     def strategy_state(self) -> dict[str, Any]:
         state = super().strategy_state()
         state["tracker"] = self.tracker.state_dict() if self.tracker is not None else None
         state["last_delta"] = self.last_delta
+        state["calibrator"] = self.calibrator.state_dict() if self.calibrator is not None else None
+        state["threshold"] = self.threshold
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -191,3 +262,18 @@ class SelSyncStrategy(SyncStrategy):
             tracker = self._new_tracker()
             tracker.load_state_dict(state["tracker"])
             self.tracker = tracker
+        if self.auto:
+            if state.get("calibrator") is None:
+                raise ValueError(
+                    "the checkpoint holds no delta calibration (it was written with a fixed delta); resume it with "
+                    "the same delta it was trained with"
+                )
+            calibrator = self._new_calibrator()
+            calibrator.load_state_dict(state["calibrator"])
+            self.calibrator = calibrator
+            self.threshold = float(state["threshold"])
+        elif state.get("calibrator") is not None:
+            raise ValueError(
+                f"the checkpoint was written with delta='auto'; this run uses delta={self.delta}: resume with "
+                "delta='auto' (and the same sync_fraction)"
+            )

@@ -1,0 +1,528 @@
+"""Drop-in check: an ordinary Lightning script, with only ``strategy=`` changed from ``"ddp"`` to each of ours.
+
+The script is what a user writes (issue 20): a small ResNet-style CNN with BatchNorm on a learnable 10-class image
+task (scikit-learn's handwritten digits, embedded: no download), torchmetrics accuracy, SGD with Nesterov momentum and
+a per-step OneCycleLR, gradient clipping, bf16-mixed, ``ModelCheckpoint`` on ``val_acc`` with ``save_last``,
+``EarlyStopping``, ``LearningRateMonitor``, ``CSVLogger``, ``val_check_interval=0.5``; then validate / test /
+predict and a resume from ``last.ckpt``.
+
+    python benchmarks/dropin.py                       # table: every strategy at its defaults vs ddp, 2 and 4 ranks
+    python benchmarks/dropin.py --world 2 --seeds 0 1 # fewer runs
+    python benchmarks/dropin.py --selsync-sweep       # SelSync's sync_fraction vs accuracy (the default's measurements)
+    python benchmarks/dropin.py script --strategy selsync --devices 2 --out DIR
+                                                      # the user script itself, launched by Lightning (popen)
+
+Each table row is one real run per seed; the runs of one world size share processes started once
+(``lightning_sync.launch.launch_local``, torchrun-like), so Lightning's import is paid once, not per run. A strategy
+that refuses a setting of the script at setup is reported with the reason and run again with the change the message
+names (OSP: no gradient clipping; the parameter-server strategies: validation at epoch ends), so every strategy gets
+an accuracy. ``ddp`` is Lightning's own ``DDPStrategy``. Runs on the CPU (gloo), one thread per rank: with more ranks
+than cores, wall times say little; accuracies and step counts do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+#: every strategy name of the pack, in the order of the README (Lightning's ``ddp`` is the reference)
+STRATEGIES = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "asp", "ssp", "aladdin", "sync_switch")
+EPOCHS = 6
+
+
+# ----------------------------------------------------------------------------------------------- the user's code
+class Block(nn.Module):
+    """A basic residual block: conv-BN-ReLU-conv-BN plus the identity (or a 1x1 projection when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+
+class ResNetish(pl.LightningModule):
+    """Small ResNet-style classifier with the training recipe of an ordinary script."""
+
+    def __init__(self, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 5e-4, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(Block(width, width), Block(width, 2 * width, stride=2))
+        self.head = nn.Linear(2 * width, 10)
+        self.train_acc = MulticlassAccuracy(num_classes=10)
+        self.val_acc = MulticlassAccuracy(num_classes=10)
+        self.test_acc = MulticlassAccuracy(num_classes=10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)  # one of the most common lines in Lightning code
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.test_acc(self(x), y)
+        self.log("test_acc", self.test_acc)
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(dim=1)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        opt = torch.optim.SGD(
+            self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=True
+        )
+        total = self.trainer.estimated_stepping_batches
+        if math.isfinite(total) and total >= 1:
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp.lr, total_steps=int(total))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        # The parameter-server strategies assign batches dynamically: the training loader has no length, so Lightning
+        # estimates max_steps (-1) stepping batches, and a rank's share of an epoch is only known on average. Size the
+        # cycle from that average and hold the final rate should this rank take more (OneCycleLR itself raises when
+        # stepped past its total).
+        world = self.trainer.world_size
+        expected = self.trainer.max_epochs * math.ceil(len(self.trainer.datamodule.train_dataloader()) / world)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(one_cycle, total=expected))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def one_cycle(step: int, total: int, pct_start: float = 0.3, div: float = 25.0, final_div: float = 1e4) -> float:
+    """OneCycleLR's default shape (cosine up from max/div for ``pct_start``, cosine down to max/(div*final_div)) as a
+    factor of the maximum, held at its final value after ``total`` steps."""
+    x = min(step, total) / max(total, 1)
+    start, end = 1.0 / div, 1.0 / (div * final_div)
+    if x < pct_start:
+        return start + (1.0 - start) * (1 - math.cos(math.pi * x / pct_start)) / 2
+    return end + (1.0 - end) * (1 + math.cos(math.pi * (x - pct_start) / (1 - pct_start))) / 2
+
+
+class DigitsImages(pl.LightningDataModule):
+    """scikit-learn's 8x8 handwritten digits as 1x8x8 images, stratified 60/20/20 train/val/test split."""
+
+    def __init__(self, batch_size: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def setup(self, stage: str) -> None:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+        x = (x - x.mean()) / x.std()
+        y = torch.tensor(y, dtype=torch.int64)
+        idx = list(range(len(y)))
+        train, rest = train_test_split(idx, test_size=0.4, stratify=y, random_state=self.seed)
+        val, test = train_test_split(rest, test_size=0.5, stratify=y[rest], random_state=self.seed)
+        self.parts = {name: TensorDataset(x[i], y[i]) for name, i in (("train", train), ("val", val), ("test", test))}
+
+    def train_dataloader(self) -> DataLoader:
+        if not hasattr(self, "parts"):
+            self.setup("fit")
+        return DataLoader(self.parts["train"], batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.parts["val"], batch_size=128)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.parts["test"], batch_size=128)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(self.parts["test"], batch_size=128)
+
+
+def user_trainer(strategy: Any, root: Path, devices: int, max_epochs: int, **overrides: Any) -> pl.Trainer:
+    """The user's Trainer; ``overrides`` are what a refusal at setup asked to change."""
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        precision="bf16-mixed",
+        gradient_clip_val=1.0,
+        val_check_interval=0.5,
+        log_every_n_steps=5,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(str(root), name="logs"),
+        callbacks=[
+            ModelCheckpoint(dirpath=str(root / "ckpt"), monitor="val_acc", mode="max", save_last=True),
+            EarlyStopping(monitor="val_acc", mode="max", patience=4),
+            LearningRateMonitor(logging_interval="step"),
+        ],
+    )
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
+#: what each kind of refusal at setup asks the user to change (matched on the error message)
+ADAPTATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("gradient_clip_val", {"gradient_clip_val": None}),
+    ("val_check_interval", {"val_check_interval": 1.0}),
+)
+
+
+def adaptation_for(message: str) -> dict[str, Any] | None:
+    for needle, change in ADAPTATIONS:
+        if needle in message:
+            return change
+    return None
+
+
+def make_strategy(name: str, **kwargs: Any) -> Any:
+    """``name`` as a user would pass it, or an instance (with ``kwargs``) where a test needs options."""
+    if name == "ddp" or not kwargs:
+        return name
+    from lightning_sync.strategies import STRATEGIES as CLASSES
+
+    (cls,) = [c for c in CLASSES if c.strategy_name == name]
+    return cls(**kwargs)
+
+
+def run_user_script(
+    name: str,
+    root: Path,
+    devices: int,
+    epochs: int = EPOCHS,
+    seed: int = 0,
+    strategy_kwargs: dict[str, Any] | None = None,
+    interrupt_at: int | None = None,
+    callbacks: Callable[[], list[pl.Callback]] | None = None,
+) -> dict[str, Any]:
+    """The user's whole script with ``strategy=name``: fit, validate, test (also from the best checkpoint), predict.
+
+    With ``interrupt_at=k`` the fit stops after epoch k (as a preempted job would) and is resumed from ``last.ckpt``
+    by a new Trainer of the same configuration, which then trains to the end and is evaluated. Returns what this
+    rank read: whether setup refused a setting (and why, and what was changed), the accuracies, the predictions'
+    size, epochs and steps (where the resume started), and the strategy's metrics. ``callbacks`` makes extra callbacks
+    for each Trainer (tests use it to look inside)."""
+    res: dict[str, Any] = {"strategy": name, "refused": None, "changed": {}}
+    overrides: dict[str, Any] = {}
+
+    def trainer_for(*extra: pl.Callback) -> pl.Trainer:
+        pl.seed_everything(seed, verbose=False)
+        trainer = user_trainer(make_strategy(name, **(strategy_kwargs or {})), root, devices, epochs, **overrides)
+        trainer.callbacks.extend(extra)
+        trainer.callbacks.extend(callbacks() if callbacks is not None else [])
+        return trainer
+
+    stop = [_StopAfter(interrupt_at)] if interrupt_at is not None else []
+    for attempt in range(len(ADAPTATIONS) + 1):
+        trainer = trainer_for(*stop)
+        model, data = ResNetish(), DigitsImages(seed=seed)
+        t0 = time.perf_counter()
+        try:
+            trainer.fit(model, data)
+        except ValueError as err:  # refused at setup: say why, apply the change it names, run again
+            change = adaptation_for(str(err))
+            if change is None or attempt == len(ADAPTATIONS):
+                raise
+            res["refused"] = res["refused"] or str(err)
+            overrides.update(change)
+            res["changed"].update(change)
+            continue
+        break
+    if interrupt_at is not None:
+        ckpt = trainer.checkpoint_callback
+        assert isinstance(ckpt, ModelCheckpoint)
+        res["interrupted"] = {"epoch": trainer.current_epoch, "global_step": trainer.global_step}
+        saved = torch.load(ckpt.last_model_path, map_location="cpu", weights_only=False)
+        batches = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
+        per_epoch = trainer.num_training_batches  # inf for the dynamic loaders: they checkpoint at epoch ends only
+        res["resumed_from"] = {
+            "epoch": saved["epoch"],
+            "global_step": saved["global_step"],
+            "batches_done_in_epoch": batches,
+            "epoch_complete": not math.isfinite(per_epoch) or batches >= per_epoch,
+        }
+        trainer = trainer_for(start := _ResumeStart())
+        model = ResNetish()
+        trainer.fit(model, data, ckpt_path=ckpt.last_model_path)
+        res["resume_start"] = start.start
+    res["fit_s"] = time.perf_counter() - t0
+    ckpt = trainer.checkpoint_callback
+    assert isinstance(ckpt, ModelCheckpoint)
+    res["val_acc"] = float(trainer.callback_metrics["val_acc"])
+    res["best_val_acc"] = float(ckpt.best_model_score) if ckpt.best_model_score is not None else None
+    res["epoch"], res["global_step"] = trainer.current_epoch, trainer.global_step
+    res["metrics"] = trainer.strategy.sync_metrics() if hasattr(trainer.strategy, "sync_metrics") else {}
+    res["validate_acc"] = float(trainer.validate(model, data, verbose=False)[0]["val_acc"])
+    res["test_acc"] = float(trainer.test(model, data, verbose=False)[0]["test_acc"])
+    res["best_test_acc"] = float(trainer.test(model, data, ckpt_path="best", verbose=False)[0]["test_acc"])
+    res["best_validate_acc"] = float(trainer.validate(model, data, ckpt_path="best", verbose=False)[0]["val_acc"])
+    predictions = trainer.predict(model, data)
+    res["predictions"] = None if predictions is None else int(sum(p.numel() for p in predictions))
+    return res
+
+
+class _StopAfter(pl.Callback):
+    """Stops the fit after epoch ``epoch`` (0-based count of finished epochs), as a preempted job ends."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch + 1 >= self.epoch:
+            trainer.should_stop = True
+
+
+class _ResumeStart(pl.Callback):
+    """Where a resumed fit starts: epoch and global step at its first training batch."""
+
+    start: dict[str, int] | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self.start is None:
+            self.start = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "batch_idx": idx}
+
+
+# ----------------------------------------------------------------------------------------------- the table
+def _worker(rank: int, out: str, names: list[str], seeds: list[int], epochs: int) -> None:
+    import warnings
+
+    import lightning_sync  # noqa: F401  (registers the names)
+
+    warnings.filterwarnings("ignore")
+    world = int(os.environ["WORLD_SIZE"])
+    rows = []
+    for seed in seeds:
+        for name in names:
+            root = Path(out) / f"{name}_s{seed}"
+            res = run_user_script(name, root, world, epochs=epochs, seed=seed)
+            res.update(seed=seed, world=world)
+            rows.append(res)
+    if rank == 0:
+        (Path(out) / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
+
+
+def _sweep_worker(rank: int, out: str, fractions: list[float], seeds: list[int], epochs: int) -> None:
+    import warnings
+
+    from lightning_sync.callbacks import SyncStats
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+    from lightning_sync.strategies import SelSyncStrategy
+
+    warnings.filterwarnings("ignore")
+    world = int(os.environ["WORLD_SIZE"])
+    rows = []
+    for seed in seeds:
+        configs: list[tuple[str, dict[str, Any]]] = [("paper (0.3, N/100)", {"delta": 0.3})]
+        configs += [(f"auto f={f}", {"sync_fraction": f}) for f in fractions]
+        for label, kwargs in configs:
+            # the user script's task
+            res = run_user_script(
+                "selsync", Path(out) / f"u_{label}_{seed}", world, epochs, seed=seed, strategy_kwargs=kwargs
+            )
+            row = {
+                "label": label,
+                "seed": seed,
+                "world": world,
+                "user_val_acc": res["val_acc"],
+                "user_test_acc": res["test_acc"],
+                "user_lssr": res["metrics"]["lssr"],
+            }
+            # the embedded digits workload (lightning-sync compare's default)
+            pl.seed_everything(seed, verbose=False)
+            strategy = SelSyncStrategy(**kwargs)
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=world,
+                strategy=strategy,
+                max_epochs=10,
+                callbacks=[SyncStats()],
+                **quiet_trainer_kwargs(limit_val_batches=0),
+            )
+            model, data = DigitsCNN(), DigitsDataModule(batch_size=32, seed=seed)
+            trainer.fit(model, data)
+            row["digits_test_acc"] = float(trainer.test(model, data, verbose=False)[0]["test/acc"])
+            row["digits_lssr"] = strategy.sync_metrics()["lssr"]
+            rows.append(row)
+    if rank == 0:
+        (Path(out) / "sweep.json").write_text(json.dumps(rows, indent=1))
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["world"], r["strategy"]), []).append(r)
+    lines = []
+    for world in sorted({w for w, _ in by}):
+        ref = statistics.mean(r["val_acc"] for r in by[(world, "ddp")])
+        ref_test = statistics.mean(r["test_acc"] for r in by[(world, "ddp")])
+        lines.append(f"\n## {world} ranks, {len(by[(world, 'ddp')])} seed(s): every strategy at its defaults vs ddp")
+        lines.append(
+            "| strategy | val acc | vs ddp (points) | test acc | vs ddp | LSSR | steps | refused at setup -> changed |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---|")
+        for (w, name), rs in by.items():
+            if w != world:
+                continue
+            val = statistics.mean(r["val_acc"] for r in rs)
+            test = statistics.mean(r["test_acc"] for r in rs)
+            lssr = rs[0]["metrics"].get("lssr")
+            refused = rs[0]["refused"]
+            why = f"{refused.split(':')[0][:60]}... -> {rs[0]['changed']}" if refused else ""
+            lines.append(
+                f"| {name} | {val:.4f} | {100 * (val - ref):+.2f} | {test:.4f} | {100 * (test - ref_test):+.2f} | "
+                f"{'' if lssr is None else f'{lssr:.3f}'} | {rs[0]['global_step']} | {why} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "script":
+        return script_main(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--strategies", default=",".join(("ddp", *STRATEGIES)))
+    parser.add_argument("--selsync-sweep", action="store_true", help="SelSync's sync_fraction vs accuracy")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--out", default=None, help="keep the runs' files here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+
+    from lightning_sync.launch import launch_local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.selsync_sweep:
+            rows = []
+            for world in args.world:
+                launch_local(_sweep_worker, world, str(out / f"w{world}"), args.fractions, args.seeds, args.epochs)
+                rows += json.loads((out / f"w{world}" / "sweep.json").read_text())
+            print("| world | SelSync | seed | user script val acc | test acc | LSSR | digits test acc | LSSR |")
+            print("|---:|---|---:|---:|---:|---:|---:|---:|")
+            for r in rows:
+                print(
+                    f"| {r['world']} | {r['label']} | {r['seed']} | {r['user_val_acc']:.4f} | {r['user_test_acc']:.4f} "
+                    f"| {r['user_lssr']:.3f} | {r['digits_test_acc']:.4f} | {r['digits_lssr']:.3f} |"
+                )
+            return None
+        names = args.strategies.split(",")
+        rows = []
+        for world in args.world:
+            t0 = time.perf_counter()
+            launch_local(_worker, world, str(out / f"w{world}"), names, args.seeds, args.epochs)
+            rows += json.loads((out / f"w{world}" / "rows.json").read_text())
+            print(f"[dropin] {world} ranks: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(
+            f"Drop-in check (benchmarks/dropin.py): user-style script, {args.epochs} epochs, digits 8x8, ResNet-style "
+            "CNN, SGD Nesterov + OneCycleLR, clipping, bf16-mixed, val_check_interval=0.5; CPU, 1 thread per rank"
+        )
+        print(_table(rows))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- the script
+def script_main(argv: list[str]) -> None:
+    """The user script as a user runs it: ``python benchmarks/dropin.py script --strategy NAME --devices 2 --out D``.
+
+    Lightning launches the ranks (``"<name>"``: re-runs this script; ``"<name>_spawn"``: spawns). Each rank writes
+    what it saw inside fit (``inside_rank<r>.json``, from a callback at the end of fit); the launching process writes
+    what it reads afterwards (``launcher.json``): they must agree."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import lightning_sync  # noqa: F401  (registers the names)
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    pl.seed_everything(0, verbose=False)
+    trainer = user_trainer(args.strategy, out, args.devices, args.epochs, val_check_interval=1.0)
+    trainer.callbacks.append(RecordInside(str(out)))
+    model, data = ResNetish(), DigitsImages()
+    trainer.fit(model, data)
+    outside = launcher_view(trainer)
+    predictions = trainer.predict(model, data)
+    outside["predictions"] = None if predictions is None else int(sum(p.numel() for p in predictions))
+    if trainer.is_global_zero:
+        (out / "launcher.json").write_text(json.dumps(outside, indent=1))
+    return None
+
+
+def launcher_view(trainer: pl.Trainer) -> dict[str, Any]:
+    """What a user reads from the Trainer after fit."""
+    ckpt = trainer.checkpoint_callback
+    assert isinstance(ckpt, ModelCheckpoint)
+    early = trainer.early_stopping_callback
+    strategy = trainer.strategy
+    return {
+        "pid": os.getpid(),
+        "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
+        "best_model_score": None if ckpt.best_model_score is None else float(ckpt.best_model_score),
+        "best_model_path": ckpt.best_model_path,
+        "last_model_path": ckpt.last_model_path,
+        "early_stopping_wait": None if early is None else early.wait_count,
+        "val_acc": float(trainer.callback_metrics["val_acc"]),
+        "sync_metrics": strategy.sync_metrics() if hasattr(strategy, "sync_metrics") else {},
+        "server_summary": json.loads(json.dumps(getattr(strategy, "server_summary", None))),
+        "log_dir": trainer.logger.log_dir if trainer.logger is not None else None,
+    }
+
+
+class RecordInside(pl.Callback):
+    """Writes, on every rank at the end of fit, what the trainer and strategy hold there."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        view = launcher_view(trainer)
+        Path(self.out, f"inside_rank{trainer.global_rank}.json").write_text(json.dumps(view, indent=1))
+
+
+if __name__ == "__main__":
+    main()

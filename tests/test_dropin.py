@@ -1,0 +1,300 @@
+"""A drop-in for ``strategy="ddp"`` (issue 20): an ordinary user script, with only ``strategy=`` changed.
+
+The script is ``benchmarks/dropin.py``'s: a small ResNet-style CNN with BatchNorm on the embedded digits, torchmetrics
+accuracy, SGD with Nesterov momentum and a per-step OneCycleLR, gradient clipping, bf16-mixed, ``ModelCheckpoint`` on
+``val_acc`` with ``save_last``, ``EarlyStopping``, ``LearningRateMonitor``, ``CSVLogger``, ``val_check_interval=0.5``,
+``self.log("train_loss", loss, sync_dist=True)``; the fit is interrupted after epoch 2 and resumed from ``last.ckpt``,
+then validate / test (also from the best checkpoint) / predict.
+
+* **Every strategy, in processes started once** (torchrun-style, ``launch_local``; 2 ranks): it trains or is refused
+  at setup with the reason (OSP: clipping; the parameter-server strategies: mid-epoch validation — each then runs with
+  the change its message names); validation accuracy at defaults within 3 points of Lightning's ``ddp``; predict
+  returns predictions; the resume starts at the checkpoint's epoch and step; during validation every rank evaluates
+  the same model and afterwards each rank's own replica is back bit-exactly; a per-step ``sync_dist`` log under the
+  asynchronous strategies warns once and does not stop the run. SelSync(``delta="auto"``) resumed from a checkpoint
+  taken with the global model swapped in ends bit-identical to the uninterrupted run.
+* **Launched by Lightning**, once each: ``"selsync"`` re-runs the script (popen, a subprocess here: a popen launch
+  from pytest would run pytest again), and the launching process is rank 0; ``"aladdin_spawn"`` from pytest, and the
+  launching process reads what rank 0 had after fit (steps, epochs, callback state, the strategy's metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))  # spawned workers inherit sys.path, so they import it too
+
+import dropin  # noqa: E402  (benchmarks/dropin.py: the user script)
+from launch import run_suite  # noqa: E402
+
+WORLD = 2
+EPOCHS = 4
+INTERRUPT_AT = 2
+#: validation accuracy at defaults must be within this of ddp's (the issue's "Done when"; 360 images: 1 = 0.28 pt)
+MARGIN = 0.03
+PARAMETER_SERVER = ("asp", "ssp", "aladdin", "sync_switch")
+REFUSED = {"osp": "gradient clipping", **{n: "val_check_interval" for n in PARAMETER_SERVER}}
+#: per-tag totals that must match between an uninterrupted run and a resumed one (not wall-clock times, not the
+#: checkpoint bookkeeping itself)
+NOT_TRAJECTORY = ("blocked_s", "bytes_checkpoint")
+
+
+def _digest(module: torch.nn.Module) -> str:
+    """Bit-exact fingerprint of the floating-point parameters and buffers."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for value in module.state_dict().values():
+        if value.is_floating_point():
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _probe_class() -> Any:
+    import lightning.pytorch as pl
+
+    class EvalProbe(pl.Callback):
+        """What validation ran on, and whether training continued from the replica it had before."""
+
+        def __init__(self) -> None:
+            self.during: list[str] = []
+            self.restored: list[bool] = []
+            self._before: str | None = None
+            self.claimed_epochs: list[int] | None = None
+
+        def on_validation_start(self, trainer, pl_module):  # callbacks run before the strategy swaps the model in
+            if trainer.state.fn == "fit":
+                self._before = _digest(pl_module)
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            if batch_idx == 0 and trainer.state.fn == "fit":
+                self.during.append(_digest(pl_module))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self._before is not None:
+                self.restored.append(self._before == _digest(pl_module))
+                self._before = None
+
+        def on_train_end(self, trainer, pl_module):
+            work = getattr(trainer.strategy, "_work", None)  # parameter-server strategies: the epochs claimed from
+            self.claimed_epochs = sorted(work.claims) if work is not None else None
+
+    return EvalProbe
+
+
+def _suite(rank: int, out_dir: str) -> None:
+    import lightning_sync  # noqa: F401  (registers the names)
+
+    out = Path(out_dir)
+    probe = _probe_class()
+    results: dict[str, Any] = {}
+    for name in ("ddp", *dropin.STRATEGIES):
+        probes: list[Any] = []
+
+        def make(probes: list[Any] = probes) -> list[Any]:
+            probes.append(probe())
+            return [probes[-1]]
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                res = dropin.run_user_script(
+                    name, out / name, WORLD, epochs=EPOCHS, interrupt_at=INTERRUPT_AT, callbacks=make
+                )
+            except BaseException:  # the launcher reports the first rank to fail; say what failed on every rank
+                traceback.print_exc()
+                raise
+        res["local_log_warnings"] = [str(w.message) for w in caught if "inside a training batch" in str(w.message)]
+        res["during"] = [d for p in probes for d in p.during]
+        res["restored"] = [r for p in probes for r in p.restored]
+        res["claimed_epochs"] = [p.claimed_epochs for p in probes]
+        results[name] = res
+    results["exact_resume"] = _exact_resume(out / "exact", rank)
+    (out / f"res_rank{rank}.json").write_text(json.dumps(results, default=str))
+
+
+def _exact_resume(root: Path, rank: int) -> dict[str, Any]:
+    """SelSync(delta="auto") with validation twice per epoch (the global model swapped in, checkpoints saved while it
+    is): 3 epochs straight vs interrupted after 2 and resumed from last.ckpt."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_sync import SelSyncStrategy
+
+    class AtEnd(pl.Callback):
+        def on_train_end(self, trainer, pl_module):  # before the strategy's final average
+            self.replica = _digest(pl_module)
+            self.metrics = trainer.strategy.sync_metrics()
+            self.calibrator = trainer.strategy.calibrator.state_dict()
+
+    def fit(run: str, *extra: Any, ckpt_path: str | None = None) -> dict[str, Any]:
+        pl.seed_everything(0, verbose=False)
+        end = AtEnd()
+        checkpoint = ModelCheckpoint(dirpath=str(root / run / "ckpt"), save_last=True)  # saves at every validation
+        trainer = dropin.user_trainer(
+            SelSyncStrategy(verify_sync=True), root / run, WORLD, 3, callbacks=[checkpoint, end, *extra]
+        )
+        model = dropin.ResNetish()
+        trainer.fit(model, dropin.DigitsImages(), ckpt_path=ckpt_path)
+        return {
+            "replica": getattr(end, "replica", None),
+            "model": _digest(model),
+            "metrics": getattr(end, "metrics", None),
+            "calibrator": getattr(end, "calibrator", None),
+            "last": checkpoint.last_model_path,
+            "global_step": trainer.global_step,
+        }
+
+    # directory names of equal length: Lightning broadcasts the checkpoint directory (counted bytes) at setup
+    straight = fit("run_a")
+    interrupted = fit("run_b", dropin._StopAfter(2))
+    resumed = fit("run_b", ckpt_path=interrupted["last"])
+    return {"straight": straight, "interrupted": interrupted, "resumed": resumed}
+
+
+# ----------------------------------------------------------------------------------------------- tests: part 1
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    return run_suite(_suite, WORLD, tmp_path_factory.mktemp("dropin"))
+
+
+@pytest.mark.parametrize("name", dropin.STRATEGIES)
+def test_trains_or_is_refused_at_setup_with_the_reason(suite, name):
+    for r in suite:
+        res = r[name]
+        if name in REFUSED:
+            assert res["refused"] is not None and REFUSED[name] in res["refused"], res["refused"]
+            assert res["changed"], "the run was repeated with the change the message names"
+        else:
+            assert res["refused"] is None and not res["changed"]
+        assert res["global_step"] > 0
+
+
+@pytest.mark.parametrize("name", dropin.STRATEGIES)
+def test_validation_accuracy_at_defaults_within_three_points_of_ddp(suite, name):
+    ddp = suite[0]["ddp"]
+    for r in suite:
+        res = r[name]
+        assert res["val_acc"] >= ddp["val_acc"] - MARGIN, (name, res["val_acc"], ddp["val_acc"])
+        assert res["test_acc"] >= ddp["test_acc"] - MARGIN, (name, res["test_acc"], ddp["test_acc"])
+    assert suite[0][name]["val_acc"] == suite[1][name]["val_acc"]  # one value on every rank
+
+
+@pytest.mark.parametrize("name", ("ddp", *dropin.STRATEGIES))
+def test_predict_returns_this_ranks_predictions_and_checkpoints_hold_the_validated_model(suite, name):
+    for r in suite:
+        res = r[name]
+        assert res["predictions"] == 180  # the 360 test images split over 2 ranks, as with ddp
+        # validate() and test() after fit see the model fit handed back; "best" is the model whose val_acc was best
+        assert res["validate_acc"] == pytest.approx(res["val_acc"], abs=1e-6)
+        assert res["best_validate_acc"] == pytest.approx(res["best_val_acc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ("ddp", *dropin.STRATEGIES))
+def test_resume_from_last_ckpt_continues_at_its_epoch_and_step(suite, name):
+    for r in suite:
+        res = r[name]
+        saved, start = res["resumed_from"], res["resume_start"]
+        assert start["global_step"] == saved["global_step"]
+        if saved["epoch_complete"]:
+            assert (start["epoch"], start["batch_idx"]) == (saved["epoch"] + 1, 0)
+        else:
+            assert (start["epoch"], start["batch_idx"]) == (saved["epoch"], saved["batches_done_in_epoch"])
+        assert res["global_step"] > saved["global_step"] and res["epoch"] <= EPOCHS  # and it trained on from there
+        if name in PARAMETER_SERVER:
+            # the dynamic loader trains the resumed epoch's data: its shuffle and counter, not epoch 0's (SSP hung)
+            # (Sync-Switch's BSP phase assigns positions without the counter, so only its ASP epochs appear)
+            interrupted, resumed = res["claimed_epochs"][-2:]
+            assert interrupted and set(interrupted) <= set(range(INTERRUPT_AT))
+            assert resumed and set(resumed) <= set(range(start["epoch"], EPOCHS))
+
+
+@pytest.mark.parametrize("name", dropin.STRATEGIES)
+def test_validation_evaluates_one_model_on_every_rank_and_puts_each_replica_back(suite, name):
+    a, b = suite[0][name], suite[1][name]
+    assert a["during"] and a["during"] == b["during"], "ranks validated different models"
+    if name != "osp":  # OSP applies its in-flight gradients when validation starts (its replicas never differ)
+        assert a["restored"] and all(a["restored"]) and all(b["restored"]), "validation changed a rank's replica"
+    if name in ("selsync", "localsgd", "fedavg", "adpsgd"):
+        assert a["metrics"]["bytes_eval"] > 0  # the average for evaluation is counted under its own tag
+
+
+@pytest.mark.parametrize("name", PARAMETER_SERVER)
+def test_per_step_sync_dist_logs_under_asynchronous_strategies_warn_once(suite, name):
+    warned = suite[0][name]["local_log_warnings"]  # rank_zero_warn: rank 0 only
+    assert len([w for w in warned if "'train_loss'" in w]) == 2  # once per fit: the interrupted one and the resumed one
+    assert "on_epoch=True" in warned[0]
+    assert not suite[0]["selsync"]["local_log_warnings"]
+
+
+def test_selsync_auto_resume_with_the_global_model_swapped_in_is_bit_identical(suite):
+    for r in suite:
+        exact = r["exact_resume"]
+        straight, resumed = exact["straight"], exact["resumed"]
+        assert resumed["global_step"] == straight["global_step"]
+        assert resumed["replica"] == straight["replica"] and resumed["model"] == straight["model"]
+        assert resumed["calibrator"] == straight["calibrator"]
+        trajectory = {k: v for k, v in straight["metrics"].items() if k not in NOT_TRAJECTORY}
+        assert {k: resumed["metrics"][k] for k in trajectory} == trajectory
+        assert straight["metrics"]["bytes_eval"] > 0 and 0 < straight["metrics"]["lssr"] < 1
+
+
+# ----------------------------------------------------------------------------------------------- tests: part 2
+def test_popen_launch_runs_the_script_again_and_the_launching_process_is_rank_0(tmp_path):
+    log = tmp_path / "script.log"
+    with log.open("w") as f:
+        code = subprocess.run(
+            [sys.executable, str(BENCHMARKS / "dropin.py"), "script", "--strategy", "selsync", "--out", str(tmp_path)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=400,
+        ).returncode
+    assert code == 0, log.read_text()[-3000:]
+    outside = json.loads((tmp_path / "launcher.json").read_text())
+    inside = [json.loads((tmp_path / f"inside_rank{r}.json").read_text()) for r in range(WORLD)]
+    assert outside["pid"] == inside[0]["pid"] != inside[1]["pid"]
+    assert {k: v for k, v in outside.items() if k != "predictions"} == inside[0]
+    assert outside["predictions"] == 180 and outside["global_step"] > 0 and outside["best_model_score"] is not None
+
+
+def test_spawn_launch_ships_rank_0s_results_to_the_launching_process(tmp_path):
+    trainer = dropin.user_trainer("aladdin_spawn", tmp_path, WORLD, 2, val_check_interval=1.0)
+    trainer.callbacks.append(dropin.RecordInside(str(tmp_path)))
+    model, data = dropin.ResNetish(), dropin.DigitsImages()
+    trainer.fit(model, data)  # the model logs train_loss with sync_dist=True every step: a warning, not an error
+    inside = json.loads((tmp_path / "inside_rank0.json").read_text())
+    outside = dropin.launcher_view(trainer)
+    assert outside["pid"] != inside["pid"]
+    assert {k: v for k, v in outside.items() if k != "pid"} == {k: v for k, v in inside.items() if k != "pid"}
+    assert outside["global_step"] > 0 and outside["current_epoch"] == 2 and outside["best_model_score"] is not None
+    assert outside["server_summary"]["pushes"] > 0 and outside["sync_metrics"]["bytes_push"] > 0
+    with pytest.raises(RuntimeError, match="not available in the launching process after a spawn launch"):
+        _ = trainer.strategy.comm
+
+
+def test_spawn_predict_says_that_predictions_do_not_come_back(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_sync.strategies.launcher import SyncLauncher
+
+    monkeypatch.setattr(_MultiProcessingLauncher, "launch", lambda self, *a, **kw: None)
+    launcher = SyncLauncher.__new__(SyncLauncher)
+    launcher._start_method = "spawn"
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.PREDICTING))
+    with pytest.warns(UserWarning, match="trainer.predict returns None with start_method='spawn'"):
+        assert launcher.launch(lambda: None, trainer=trainer) is None
