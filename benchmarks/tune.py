@@ -3,7 +3,8 @@
 For each method, every candidate of its grid (below; `--grid NAME.KEY=v1,v2` replaces or adds one) is run as a
 `compare` row — real `lightning-sync fit` runs, `--seeds` seeds, at `--link`, stopping at the workload's target —
 and the candidate with the lowest mean time to target wins (MLPerf's summary, see `lightning_sync.benchmark.ttt`;
-a candidate whose mean is missed loses to any that has one; ties: more runs reached, then the better best metric).
+a candidate whose mean is missed loses to any that has one; ties: more runs reached, then the better best metric);
+when every candidate missed, no recipe is written (the method keeps its defaults) and the script says so.
 The winner is written to `<recipes>/<workload>/<method>.yaml` with how it was chosen (the command, the link, the
 seeds, every candidate's mean and reached count), for `lightning-sync compare --recipes`.
 
@@ -147,6 +148,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             table.append((score(summary, best, grid.target.mode), value, summary, best))
         table.sort(key=lambda t: t[0])
         (_, value, summary, best) = table[0]
+        if summary.mean_s is None:
+            print(
+                f"[tune] {method}: no candidate of {key} in {values} reached the target; no recipe written", flush=True
+            )
+            chosen[method] = {key: None, "mean_s": None, "path": None}
+            continue
         recipe = Recipe(
             method,
             {} if key == "lr_scale" else {key: value},

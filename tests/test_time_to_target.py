@@ -277,3 +277,46 @@ def test_the_overlay_of_a_run_sets_its_seed_strategy_link_and_recorder(tmp_path)
         tmp_path / "base.yaml", tmp_path / "overlay.yaml", make_row("selsync", ["delta=0.1"]), tmp_path, ["--a=1"]
     )
     assert cmd[-2:] == ["--trainer.strategy.init_args.delta=0.1", "--a=1"] and "--test_after_fit=false" in cmd
+
+
+def _script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_grids_scores_and_delta_quantiles(tmp_path):
+    from lightning_sync.benchmark.runs import RunResult
+
+    tune = _script("tune")
+    assert tune.parse_grid(["selsync.delta=0.1,0.2", "sync-switch.asp_lr_scale=1,0.5"]) == {
+        "selsync": ("delta", [0.1, 0.2]),
+        "sync_switch": ("asp_lr_scale", [1, 0.5]),
+    }
+    with pytest.raises(ValueError, match="NAME.KEY=v1,v2"):
+        tune.parse_grid(["selsync=0.1"])
+    fast, slow, missed = summarize_runs([1.0, 2.0]), summarize_runs([3.0, 3.0]), summarize_runs([1.0, None])
+    ranked = sorted([(tune.score(s, 0.9, "max"), name) for s, name in ((missed, "m"), (slow, "s"), (fast, "f"))])
+    assert [name for _, name in ranked] == ["f", "s", "m"]  # a missed mean loses to any mean
+    assert tune.score(missed, 0.9, "max") < tune.score(summarize_runs([None, None]), 0.95, "max")  # more reached
+    run = RunResult("selsync delta=0", 0, "1gbit,1ms", tmp_path)
+    (tmp_path / "logs" / "version_0").mkdir(parents=True)
+    rows = "step,sync/delta\n" + "".join(f"{i},{d}\n" for i, d in enumerate([0.0, 0.4, 0.1, 0.2, 0.3], 1))
+    (tmp_path / "logs" / "version_0" / "metrics.csv").write_text(rows)
+    assert tune.delta_quantiles([run]) == [0.2, 0.3, 0.4]  # 25/50/75% of the positive Deltas 0.1..0.4
+
+
+def test_time_to_target_script_lists_one_command_per_table():
+    script = _script("time_to_target")
+    cmds = [" ".join(c) for c in script.commands(["vgg"], 4, "OUT", tune=False, only=[], run_timeout=None)]
+    base = "lightning-sync compare --workload vgg --devices 4 --recipes"
+    assert cmds[:3] == [
+        f"{base} --seeds {seeds} --link {name},1ms --out OUT/vgg/{name}"
+        for name, seeds in (("100mbit", 3), ("1gbit", 5), ("10gbit", 3))
+    ]
+    assert cmds[3] == "lightning-sync compare --merge OUT/vgg/100mbit OUT/vgg/1gbit OUT/vgg/10gbit --out OUT/vgg"
+    assert "--cluster 4x1gbit" in cmds[4] and cmds[4].startswith("sudo ") and "comm_share.py" in cmds[5]
