@@ -23,6 +23,8 @@ step time. Bytes sent per rank per step and blocked seconds per step come from t
 
     python benchmarks/comm_share.py --workload vgg --workload words --workload digits --devices 4
 
+Other arguments pass to the workloads' configs (e.g. `--data.batch_size=16`).
+
 The compute part is CPU time shared by the ranks: numbers depend on the machine's load; measure on a quiet machine.
 """
 
@@ -36,7 +38,15 @@ from pathlib import Path
 
 
 def _worker(
-    rank: int, out: str, workloads: list[str], link: str, steps: int, warmup: int, repeats: int, devices: int
+    rank: int,
+    out: str,
+    workloads: list[str],
+    link: str,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    devices: int,
+    extra: list[str],
 ) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -59,6 +69,7 @@ def _worker(
     results: dict[str, dict[str, list[float]]] = {}
     for workload in workloads:
         args = ["--config", str(packaged_config(workload)), "--trainer.logger=false", f"--trainer.devices={devices}"]
+        args += extra
         cli = cli_main(args, run=False)
         r = results[workload] = {"local": [], "none": [], "link": [], "span": [], "bytes": [], "blocked": []}
         for _ in range(repeats):
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--warmup", type=int, default=5, help="steps of each fit not timed")
     parser.add_argument("--repeats", type=int, default=2, help="local / ddp / ddp + link fits, alternating")
     parser.add_argument("--out", default="runs/comm_share")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     workloads = args.workload or ["vgg", "words"]
     if args.warmup >= args.steps:
         parser.error("--warmup must be smaller than --steps")
@@ -110,7 +121,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     launch_local(
-        _worker, args.devices, str(out), workloads, args.link, args.steps, args.warmup, args.repeats, args.devices
+        _worker,
+        args.devices,
+        str(out),
+        workloads,
+        args.link,
+        args.steps,
+        args.warmup,
+        args.repeats,
+        args.devices,
+        extra,
     )
     raw = json.loads((out / "comm_share.json").read_text())
     print(

@@ -40,9 +40,14 @@ from lightning_sync.benchmark.runs import (
     run_one,
     slug,
 )
-from lightning_sync.benchmark.ttt import lower_is_better  # noqa: F401  (re-exported: part of compare's API)
 
-DEFAULT_STRATEGIES = "ddp,bsp,selsync,localsgd,adpsgd,fedavg,osp,asp,ssp,aladdin,sync-switch"
+
+def default_strategies() -> str:
+    """``ddp`` and every strategy of the pack (``lightning_sync.strategies.STRATEGIES``, so a new one is a row)."""
+    from lightning_sync.strategies import STRATEGIES
+
+    return ",".join([REFERENCE] + [cls.strategy_name for cls in STRATEGIES if cls.strategy_name])
+
 
 #: name -> (packaged base config, what it is); each config names its target (a TimeToTarget callback), its
 #: evaluation frequency (every epoch, epochs sized by limit_train_batches) and its budget (max_epochs)
@@ -82,8 +87,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--config", default=None, help="base LightningCLI YAML (default: the --workload's)")
     parser.add_argument(
         "--strategies",
-        default=DEFAULT_STRATEGIES,
-        help=f"comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference ({DEFAULT_STRATEGIES})",
+        default=None,
+        help="comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference (default: ddp and "
+        "every strategy of the pack)",
     )
     parser.add_argument(
         "--devices", type=int, default=None, help="processes per run (>= 1; default: the config's trainer.devices)"
@@ -162,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser: argparse.ArgumentParser) -> list[Row]:
     """The table's rows: each named strategy's default row and, with ``--recipes``, its tuned row."""
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    names = [n.strip() for n in (args.strategies or default_strategies()).split(",") if n.strip()]
     strategy_args: dict[str, list[str]] = {}
     for item in args.strategy_arg:
         name, _, rest = item.partition(".")

@@ -320,3 +320,41 @@ def test_time_to_target_script_lists_one_command_per_table():
     ]
     assert cmds[3] == "lightning-sync compare --merge OUT/vgg/100mbit OUT/vgg/1gbit OUT/vgg/10gbit --out OUT/vgg"
     assert "--cluster 4x1gbit" in cmds[4] and cmds[4].startswith("sudo ") and "comm_share.py" in cmds[5]
+
+
+def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
+    """E.g. 5 seeds at 1 Gbit/s and 3 at 100 Mbit/s, run as two commands, become one report with the bandwidth plot."""
+    import json
+
+    from lightning_sync.benchmark.report import write_runs
+    from lightning_sync.benchmark.runs import RunResult
+    from lightning_sync.compare import main as compare_main
+
+    def folder(name, link, seeds, ddp_s, fast_s):
+        out = tmp_path / name
+        results = []
+        for label, base in (("ddp", ddp_s), ("localsgd", fast_s)):
+            for seed in range(seeds):
+                run_dir = out / label / f"seed{seed}"
+                run_dir.mkdir(parents=True)
+                records = _history([0.5, 0.95])
+                for r in records:
+                    r["wall_s"] = r.get("wall_s", 0.0) * (base + seed) / 2.0
+                (run_dir / "time_to_target.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+                results.append(RunResult(label, seed, link, run_dir, ok=True))
+        write_runs(results, out / "runs.csv")
+        summary = {"where": "4 processes", "target": {"metric": "val/acc", "value": 0.9, "mode": "max"}}
+        summary.update(labels=["ddp", "localsgd"], groups=[[link, link]])
+        (out / "summary.json").write_text(json.dumps(summary))
+        return str(out)
+
+    slow = folder("slow", "100mbit,1ms", 3, 40.0, 4.0)
+    fast = folder("fast", "1gbit,1ms", 5, 8.0, 4.0)
+    result = compare_main(["--merge", slow, fast, "--out", str(tmp_path / "all")])
+    assert set(result["tables"]) == {"100mbit,1ms", "1gbit,1ms"}
+    slow_rows = {r["method"]: r for r in result["tables"]["100mbit,1ms"]}
+    fast_rows = {r["method"]: r for r in result["tables"]["1gbit,1ms"]}
+    assert slow_rows["localsgd"]["speedup"] == pytest.approx(41.0 / 5.0)  # seeds 0-2: (base + seed) means 41 and 5
+    assert fast_rows["ddp"]["dropped_extremes"] and fast_rows["ddp"]["mean_s"] == pytest.approx(10.0)  # 5 seeds
+    assert (tmp_path / "all" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
+    assert (tmp_path / "all" / "1gbit-1ms" / "table.md").read_text().count("*") >= 2  # trimmed means marked

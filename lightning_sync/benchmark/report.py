@@ -254,6 +254,13 @@ def plot_sync(results: Sequence[RunResult], path: Path) -> Path:
     return path
 
 
+def _rate(bits_per_second: float) -> str:
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_second >= scale:
+            return f"{bits_per_second / scale:g} {unit}"
+    return f"{bits_per_second:g} bit/s"
+
+
 def plot_bandwidth(summaries: dict[float, dict[str, Summary]], target: Target, path: Path, title: str = "") -> Path:
     """Time to target against link bandwidth (bits/s), log-log, one line per method through its means, min-max as
     error bars; a missed mean is an ``x`` on the top edge (never a number), so where a method starts to beat ddp
@@ -288,9 +295,16 @@ def plot_bandwidth(summaries: dict[float, dict[str, Summary]], target: Target, p
             ax.scatter(
                 missed, [top] * len(missed), marker="x", color=colour, label=None if xs else f"{method} (missed)"
             )
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("link bandwidth (bit/s)")
+    ax.set_xticks(sorted(summaries), [_rate(bw) for bw in sorted(summaries)])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    seconds = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(seconds)
+    ax.yaxis.set_minor_formatter(seconds)
+    ax.set_xlabel("link bandwidth (emulated; latency as given)")
     ax.set_ylabel("time to target (s)")
     ax.set_title(title or f"time to {target.describe()} (x on top: missed)")
     if methods:

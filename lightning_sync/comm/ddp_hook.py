@@ -126,10 +126,13 @@ class _Completer:
 class _Pending:
     """A bucket in flight: its real all-reduce's future, its transfer on the clock and the future DDP waits on."""
 
-    def __init__(self, real: torch.futures.Future, key: int, finish: Callable[[_Pending], None]) -> None:
+    def __init__(
+        self, real: torch.futures.Future, key: int, finish: Callable[[_Pending], None], device: torch.device
+    ) -> None:
         self.real = real
         self.key = key
-        self.result: torch.futures.Future = torch.futures.Future()
+        # a future holding a CUDA tensor records its stream on completion, so DDP's wait synchronises with it
+        self.result: torch.futures.Future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         self._finish = finish
 
     def finish(self) -> None:
@@ -251,7 +254,7 @@ def emulated_allreduce(
         state._completed(time.perf_counter())
         item.result.set_result(value)
 
-    item = _Pending(real, key, finish)
+    item = _Pending(real, key, finish, tensor.device)
     state._completer.submit(item)
     completer = state._completer
     real.add_done_callback(lambda _: completer.notify())

@@ -50,6 +50,9 @@ class CountedDDPStrategy(DDPStrategy):
       SLURM, the namespace cluster: ``LOCAL_RANK`` set), and the default process group destroyed at teardown under
       spawn (a spawned gloo worker with a live group aborts at exit about half the time; see the integration notes).
 
+    The accounting is not checkpointed (a resumed run counts from zero): this is the reference row of comparisons,
+    which do not resume. The link emulation is tested on CPU/gloo; on NCCL it has not run (no GPU was available).
+
     Args:
         link: emulate a slower network: a :class:`~lightning_sync.comm.LinkModel` or ``"1gbit,1ms"``; ``None`` (default)
             for none. On a kernel-limited link (the namespace cluster) leave it ``None``: DDP runs as it is.
