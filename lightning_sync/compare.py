@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         choices=["add", "only"],
         default=None,
         help="tuned rows from RECIPES_DIR/<workload>/<strategy>.yaml: 'add' (the default when given) puts "
-        "'<strategy> (tuned)' next to each default row that has a recipe; 'only' runs the tuned rows (and ddp)",
+        "'<strategy> (tuned)' next to each default row that has a recipe; 'only': tuned rows replace the default "
+        "rows that have one",
     )
     parser.add_argument("--recipes-dir", default="examples/recipes", help="where the recipes are (examples/recipes)")
     parser.add_argument("--target", type=float, default=None, help="override the config's target value")
