@@ -11,10 +11,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_sync  # noqa: F401  (registers the strategy names)
+import lightning_sync.data.digits  # noqa: F401  (the packaged models and data by their short names: --model=WideMLP)
+import lightning_sync.data.text  # noqa: F401
+import lightning_sync.data.words  # noqa: F401
+import lightning_sync.models  # noqa: F401
 
 DEFAULT_MODEL = "lightning_sync.models.DigitsCNN"
 DEFAULT_DATA = "lightning_sync.data.DigitsDataModule"
@@ -26,6 +32,32 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} GB"
+
+
+def _selects_class(argv: list[str], key: str) -> bool:
+    """Whether ``argv`` names a ``key`` class (``--model X``, ``--model=X``, ``--model.class_path ...``) or a
+    ``--config`` file that has a ``key`` section (or cannot be read, so it might)."""
+    for i, arg in enumerate(argv):
+        if arg in (f"--{key}", f"--{key}.class_path") or arg.startswith((f"--{key}=", f"--{key}.class_path=")):
+            return True
+        if arg == "--config" or arg.startswith("--config="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                data = yaml.safe_load(Path(value).read_text())
+            except (OSError, yaml.YAMLError):
+                return True
+            if isinstance(data, dict) and data.get(key) is not None:
+                return True
+    return False
+
+
+def with_default_classes(argv: list[str], subcommands: set[str] | None = None) -> list[str]:
+    """``argv`` with ``--model=<demo CNN>`` / ``--data=<digits>`` inserted (after the subcommand) where nothing in
+    it selects a model / data class (see :meth:`SyncCLI.parse_arguments`)."""
+    at = 1 if argv and subcommands and argv[0] in subcommands else 0
+    defaults = [f"--{key}={cls}" for key, cls in (("model", DEFAULT_MODEL), ("data", DEFAULT_DATA))]
+    missing = [d for d, key in zip(defaults, ("model", "data")) if not _selects_class(argv[at:], key)]
+    return argv[:at] + missing + argv[at:]
 
 
 class SyncCLI(LightningCLI):
@@ -44,7 +76,23 @@ class SyncCLI(LightningCLI):
             default=None,
             help="After fit (and test), write the final metrics and the fit's wall time to this JSON file.",
         )
-        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse with the demo model and data selected only when nothing else selects a model or data class.
+
+        The demo classes are not parser defaults: jsonargparse resolves a default class's init_args and carries
+        every same-named one over to a class a config or the command line selects instead (DigitsCNN's
+        ``hidden=64`` into a WideMLP, DigitsDataModule's ``test_fraction=0.2`` into the text data). So
+        ``--model=DigitsCNN`` / ``--data=DigitsDataModule`` are put first only when no ``--config`` file has a
+        ``model`` / ``data`` section and no ``--model`` / ``--data`` argument names a class."""
+        if isinstance(args, (dict, Namespace)):
+            super().parse_arguments(parser, args)
+            return
+        argv = with_default_classes(list(sys.argv[1:] if args is None else args), set(self.subcommands()))
+        if args is None:
+            self.config = parser.parse_args(argv)  # what Lightning does, without its warning about args + argv
+        else:
+            super().parse_arguments(parser, argv)
 
     def before_fit(self) -> None:
         self._fit_started = time.perf_counter()

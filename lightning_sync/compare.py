@@ -1,400 +1,413 @@
-"""``lightning-sync compare``: the papers' comparison table on your own model.
+"""``lightning-sync compare``: time to a fixed quality target, every method against Lightning's own DDP.
 
-Each strategy is trained as its own real run (``lightning-sync fit`` in a subprocess, processes launched by
-Lightning), with the same configuration, seed and data; then a table in the spirit of SelSync's Table I is printed
-and written as CSV and Markdown, with PNG plots. A strategy that fails is reported in the table with its error and
-the others still run.
+Each method is trained as real runs (``lightning-sync fit`` in a subprocess, processes launched by Lightning) with the
+same workload configuration, once per seed and per link; every run stops at the first evaluation that meets the
+workload's target (or at its budget). A table per link gives each method's time to target over the seeds (MLPerf
+style: mean after dropping the fastest and slowest from 5 seeds on, min, max, runs that reached it; a run that never
+does is missed, never a number) and its speedup over ``ddp`` (Lightning's ``DDPStrategy`` under the same emulated
+link), with a plot of time to target against bandwidth. A method that fails is reported with its error and the
+others still run.
 
-    lightning-sync compare --strategies bsp,selsync,localsgd --devices 2 --link 1gbit,1ms
+    lightning-sync compare --workload vgg --devices 4 --link 100mbit,1ms --link 1gbit,1ms --link 10gbit,1ms
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
-import os
-import subprocess
+import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STRATEGIES = "bsp,selsync,localsgd,adpsgd,fedavg,osp,asp,ssp,aladdin,sync-switch"
+import yaml
+
+from lightning_sync.benchmark.recipes import load_recipe, recipe_path
+from lightning_sync.benchmark.runs import (
+    REFERENCE,
+    Row,
+    RunResult,
+    Target,
+    apply_class_overrides,
+    base_lr,
+    build_command,
+    find_target,
+    load_config,
+    make_row,
+    overlay,
+    run_one,
+    slug,
+)
 
 
-@dataclass
-class RunResult:
-    """What one strategy's run produced."""
-
-    name: str
-    ok: bool = False
-    error: str = ""
-    summary: dict[str, Any] = field(default_factory=dict)
-    history: list[dict[str, float]] = field(default_factory=list)  # metrics.csv rows (step, wall_s, val/..., sync/...)
-    seconds: float = 0.0
-
-
-def _strategy_class_path(name: str) -> str:
-    from lightning.pytorch.strategies import StrategyRegistry
-
+def default_strategies() -> str:
+    """``ddp`` and every strategy of the pack (``lightning_sync.strategies.STRATEGIES``, so a new one is a row)."""
     from lightning_sync.strategies import STRATEGIES
 
-    ours = sorted(c.strategy_name for c in STRATEGIES if c.strategy_name)
-    name = name.replace("-", "_")  # "sync-switch" as the papers write it
-    if name not in ours:
-        raise ValueError(f"unknown or not yet implemented strategy {name!r}; available: {', '.join(ours)}")
-    cls = StrategyRegistry[name]["strategy"]
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return ",".join([REFERENCE] + [cls.strategy_name for cls in STRATEGIES if cls.strategy_name])
 
 
+#: name -> (packaged base config, what it is); each config names its target (a TimeToTarget callback), its
+#: evaluation frequency (every epoch, epochs sized by limit_train_batches) and its budget (max_epochs)
 WORKLOADS = {
-    # name: (packaged base config, final metric, curve metric)
-    "digits": ("compare_default.yaml", "test/acc", "val/acc"),
-    "text": ("compare_text.yaml", "test/ppl", "val/ppl"),
+    "digits": ("compare_default.yaml", "the demo CNN on scikit-learn's digits: compute-bound, the control"),
+    "text": ("compare_text.yaml", "a character Transformer on Python's own help text (perplexity)"),
+    "vgg": ("compare_vgg.yaml", "VGG-11-shaped on the digits, the FC head holds the bytes: communication-bound"),
+    "words": (
+        "compare_words.yaml",
+        "a word-level Transformer LM on Python's help text, embedding-heavy: communication-bound (perplexity)",
+    ),
 }
 
 
-def _packaged_config(filename: str) -> str:
-    return str(resources.files("lightning_sync") / "configs" / filename)
+def packaged_config(workload: str) -> Path:
+    """The packaged base config of ``workload``."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(sorted(WORKLOADS))}, got {workload!r}")
+    return Path(str(resources.files("lightning_sync") / "configs" / WORKLOADS[workload][0]))
 
 
-def lower_is_better(metric: str) -> bool:
-    """Loss and perplexity decrease; accuracy-like metrics increase."""
-    return any(word in metric for word in ("loss", "ppl", "perplexity", "error"))
+def _strategy_class_path(name: str) -> str:
+    """The class path a strategy name runs as (``ddp``: Lightning's DDPStrategy, measured)."""
+    from lightning_sync.benchmark.runs import resolve_strategy
+
+    return resolve_strategy(name)[1]
 
 
-def build_command(
-    name: str,
-    config: str,
-    out: Path,
-    devices: int,
-    link: str | None,
-    strategy_args: dict[str, list[str]],
-    extra: list[str],
-) -> list[str]:
-    """The ``lightning-sync fit`` command line of one run."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_sync.cli",
-        "fit",
-        "--config",
-        config,
-        f"--trainer.strategy.class_path={_strategy_class_path(name)}",
-        f"--trainer.devices={devices}",
-        f"--trainer.default_root_dir={out / name}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.init_args.save_dir={out}",
-        f"--trainer.logger.init_args.name={name}",
-        "--trainer.logger.init_args.version=0",
-        f"--summary_json={out / name / 'summary.json'}",
-    ]
-    if link:
-        cmd.append(f"--trainer.strategy.init_args.link={link}")
-    for arg in strategy_args.get(name, []):
-        cmd.append(f"--trainer.strategy.init_args.{arg}")
-    return cmd + extra
-
-
-def _read_history(path: Path) -> list[dict[str, float]]:
-    if not path.exists():
-        return []
-    rows = []
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
-    return rows
-
-
-def run_one(name: str, cmd: list[str], out: Path, index: int, total: int, cluster: Any = None) -> RunResult:
-    """Run one strategy, streaming its progress lines, and collect its summary and metric history.
-
-    With a :class:`~lightning_sync.cluster.NamespaceCluster`, one process per host is started in its namespace
-    (``num_nodes`` = hosts, one device each, torchrun-style environment); rank 0's output is streamed."""
-    result = RunResult(name)
-    (out / name).mkdir(parents=True, exist_ok=True)
-    log_path = out / name / "run.log"
-    start = time.perf_counter()
-    print(f"[compare] ({index}/{total}) {name}: starting", flush=True)
-    others: list[subprocess.Popen] = []
-    with log_path.open("w") as log:
-        if cluster is None:
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
-            )
-        else:
-            from lightning_sync.launch import free_port
-
-            port = free_port()
-            node_cmd = [*cmd, f"--trainer.num_nodes={cluster.hosts}", "--trainer.devices=1"]
-            proc = cluster.popen(
-                0, node_cmd, cluster.env(0, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            others = [
-                cluster.popen(i, node_cmd, cluster.env(i, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for i in range(1, cluster.hosts)
-            ]
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith("[progress]"):
-                print(f"[compare] ({index}/{total}) {name}: {line[len('[progress] ') :].rstrip()}", flush=True)
-        code = proc.wait()
-        for other in others:
-            try:
-                code = code or other.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                other.kill()
-                code = code or 1
-    result.seconds = time.perf_counter() - start
-    summary_path = out / name / "summary.json"
-    if code == 0 and summary_path.exists():
-        result.ok = True
-        result.summary = json.loads(summary_path.read_text())
-        result.history = _read_history(out / name / "version_0" / "metrics.csv")
-    else:
-        tail = log_path.read_text().strip().splitlines()[-3:]
-        result.error = " | ".join(tail)[-300:] or f"exit code {code}"
-    status = "done" if result.ok else f"FAILED ({result.error})"
-    print(f"[compare] ({index}/{total}) {name}: {status} in {result.seconds:.1f}s", flush=True)
-    return result
-
-
-def _metric_curve(history: list[dict[str, float]], metric: str) -> list[tuple[float, float, float]]:
-    """(step, wall seconds, value) of ``metric`` over the run; wall time from SyncStats' ``sync/wall_s`` rows."""
-    walls = sorted((r["step"], r["sync/wall_s"]) for r in history if "sync/wall_s" in r and "step" in r)
-    curve = []
-    for r in history:
-        if metric in r and "step" in r:
-            before = [w for s, w in walls if s <= r["step"]]
-            curve.append((r["step"], before[-1] if before else math.nan, r[metric]))
-    return curve
-
-
-def time_to_reach(curve: list[tuple[float, float, float]], target: float, higher_is_better: bool = True) -> float:
-    """First wall time at which the metric reaches ``target``; ``nan`` if it never does."""
-    for _, wall, value in curve:
-        if (value >= target) if higher_is_better else (value <= target):
-            return wall
-    return math.nan
-
-
-def summarize(
-    results: list[RunResult], metric: str, curve_metric: str, target: float | None = None
-) -> list[dict[str, Any]]:
-    """One table row per strategy; differences, time to BSP's final metric (or to ``target``) and speedups are
-    relative to ``bsp``."""
-    higher = not lower_is_better(curve_metric)
-    base = next((r for r in results if r.name == "bsp" and r.ok), None)
-    base_final = base.summary["test"].get(metric, base.summary["fit"].get(metric)) if base else None
-    base_curve = _metric_curve(base.history, curve_metric) if base else []
-    base_target = target if target is not None else (base_curve[-1][2] if base_curve else None)
-    base_time = time_to_reach(base_curve, base_target, higher) if base_target is not None else math.nan
-    rows = []
-    for r in results:
-        row: dict[str, Any] = {"strategy": r.name}
-        if not r.ok:
-            row["error"] = r.error
-            rows.append(row)
-            continue
-        fit, test = r.summary["fit"], r.summary["test"]
-        final = test.get(metric, fit.get(metric, math.nan))
-        curve = _metric_curve(r.history, curve_metric)
-        reach = time_to_reach(curve, base_target, higher) if base_target is not None else math.nan
-        row.update(
-            steps=fit.get("sync/local_steps", 0.0) + fit.get("sync/sync_steps", 0.0),
-            lssr=fit.get("sync/lssr", math.nan),
-            final=final,
-            diff_vs_bsp=final - base_final if base_final is not None else math.nan,
-            bytes_per_rank=fit.get("sync/bytes_sent", math.nan),
-            blocked_s=fit.get("sync/blocked_s", math.nan),
-            wall_s=r.summary["fit_seconds"],
-            time_to_bsp_final_s=reach,
-            speedup_vs_bsp=base_time / reach if reach and not math.isnan(reach) else math.nan,
-        )
-        rows.append(row)
-    return rows
-
-
-COLUMNS = [
-    ("strategy", "strategy"),
-    ("steps", "steps"),
-    ("lssr", "LSSR"),
-    ("final", "final metric"),
-    ("diff_vs_bsp", "diff vs BSP"),
-    ("bytes_per_rank", "bytes sent / rank"),
-    ("blocked_s", "blocked s"),
-    ("wall_s", "wall s"),
-    ("time_to_bsp_final_s", "time to BSP's final s"),
-    ("speedup_vs_bsp", "speedup vs BSP"),
-]
-
-
-def _fmt(key: str, value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    if key == "bytes_per_rank":
-        return f"{value:,.0f}"
-    if key == "steps":
-        return f"{value:.0f}"
-    if key == "speedup_vs_bsp":
-        return f"{value:.2f}x"
-    return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
-
-
-def markdown(rows: list[dict[str, Any]], metric: str) -> str:
-    header = "| " + " | ".join(label if key != "final" else f"final {metric}" for key, label in COLUMNS) + " |"
-    lines = [header, "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        if "error" in row:
-            error = row["error"].replace("|", "/")[:160]
-            lines.append(f"| {row['strategy']} | failed: {error} |" + " |" * (len(COLUMNS) - 2))
-        else:
-            lines.append("| " + " | ".join(_fmt(k, row.get(k)) for k, _ in COLUMNS) + " |")
-    return "\n".join(lines)
-
-
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    keys = [k for k, _ in COLUMNS] + ["error"]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k, "") for k in keys})
-
-
-def plot(results: list[RunResult], curve_metric: str, out: Path) -> list[Path]:
-    """metric vs wall time, metric vs step, and LSSR / period / ICS share over steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    ok = [r for r in results if r.ok]
-    for x_index, x_label, fname in ((1, "wall time (s)", "metric_vs_time.png"), (0, "step", "metric_vs_step.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in ok:
-            curve = _metric_curve(r.history, curve_metric)
-            ax.plot([c[x_index] for c in curve], [c[2] for c in curve], marker="o", label=r.name)
-        ax.set_xlabel(x_label)
-        ax.set_ylabel(curve_metric)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=100)
-        plt.close(fig)
-        paths.append(out / fname)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    for ax, key, label in zip(axes, ("sync/lssr", "sync/period", "sync/ics_fraction"), ("LSSR", "period", "ICS share")):
-        for r in ok:
-            pts = [(h["step"], h[key]) for h in r.history if key in h and "step" in h]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r.name)
-        ax.set_xlabel("step")
-        ax.set_title(label)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "sync_over_steps.png", dpi=100)
-    plt.close(fig)
-    paths.append(out / "sync_over_steps.png")
-    return paths
-
-
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="lightning-sync compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="base LightningCLI YAML (default: the --workload's)")
     parser.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
         default="digits",
-        help="embedded workload: digits (CNN, accuracy) or text (character Transformer on Python's help, perplexity)",
+        help="packaged workload: " + "; ".join(f"{k}: {v[1]}" for k, v in WORKLOADS.items()),
+    )
+    parser.add_argument("--config", default=None, help="base LightningCLI YAML (default: the --workload's)")
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference (default: ddp and "
+        "every strategy of the pack)",
     )
     parser.add_argument(
-        "--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated names ({DEFAULT_STRATEGIES})"
+        "--devices", type=int, default=None, help="processes per run (>= 1; default: the config's trainer.devices)"
     )
-    parser.add_argument("--devices", type=int, default=2, help="processes per run (>= 1)")
-    parser.add_argument("--link", default=None, help="emulated link for every run, e.g. '1gbit,1ms'")
+    parser.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="BANDWIDTH[,LATENCY]",
+        help="emulated link for every run, e.g. '1gbit,1ms'; repeat for a bandwidth sweep (a table per link and a "
+        "plot of time to target against bandwidth). Default: no emulation",
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="runs per method, seeds seed-base..seed-base+N-1 (>= 1)")
+    parser.add_argument(
+        "--seed-base", type=int, default=None, help="first seed (default: the config's seed_everything, or 0)"
+    )
+    parser.add_argument(
+        "--recipes",
+        nargs="?",
+        const="add",
+        choices=["add", "only"],
+        default=None,
+        help="tuned rows from RECIPES_DIR/<workload>/<strategy>.yaml: 'add' (the default when given) puts "
+        "'<strategy> (tuned)' next to each default row that has a recipe; 'only': tuned rows replace the default "
+        "rows that have one",
+    )
+    parser.add_argument("--recipes-dir", default="examples/recipes", help="where the recipes are (examples/recipes)")
+    parser.add_argument("--target", type=float, default=None, help="override the config's target value")
+    parser.add_argument("--metric", default=None, help="override the config's target metric (a validation metric)")
+    parser.add_argument(
+        "--no-stop",
+        action="store_true",
+        help="do not stop a run at the target (train the whole budget, e.g. for complete curves)",
+    )
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="kill a run after this long (a budget in wall time on top of the config's max_epochs; what it "
+        "recorded counts, so a killed run that had not reached the target is missed)",
+    )
     parser.add_argument(
         "--cluster",
         default=None,
         metavar="HOSTSxRATE",
         help="run on a namespace cluster of HOSTS hosts with kernel rate-limited links, e.g. 4x1gbit (root, Linux; "
-        "one process per host, --devices ignored)",
+        "one process per host, --devices ignored; every method, ddp included, runs as it is: no emulation)",
     )
-    parser.add_argument("--out", default="runs/compare", help="output folder (table, plots, each run's logs)")
+    parser.add_argument("--out", default="runs/compare", help="output folder (tables, plots, every run's files)")
     parser.add_argument(
-        "--metric", default=None, help="final metric of the table, logged at test (default: workload's)"
-    )
-    parser.add_argument("--curve-metric", default=None, help="metric over time and steps, logged at validation")
-    parser.add_argument(
-        "--target",
-        type=float,
+        "--merge",
+        nargs="+",
         default=None,
-        help="value of the curve metric whose time to reach is reported (default: BSP's final value)",
+        metavar="FOLDER",
+        help="run nothing: re-render the runs of earlier compare outputs as one report in --out (a table per link, "
+        "the bandwidth plot over all links), e.g. 5 seeds at 1 Gbit/s and 3 at the other links",
     )
     parser.add_argument(
         "--strategy-arg",
         action="append",
         default=[],
         metavar="NAME.KEY=VALUE",
-        help="an init argument for one strategy, e.g. selsync.delta=0.05 (repeatable)",
+        help="an init argument for one strategy's default row, e.g. selsync.delta=0.05 (repeatable)",
     )
     args, extra = parser.parse_known_args(argv)
-    if args.devices < 1:
+    if args.devices is not None and args.devices < 1:
         parser.error("--devices must be >= 1")
-    if args.link:
-        from lightning_sync.comm.link import LinkModel
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    if args.run_timeout is not None and args.run_timeout <= 0:
+        parser.error("--run-timeout must be > 0 seconds")
+    if args.cluster and args.link:
+        parser.error("--cluster runs on kernel rate-limited links; --link would emulate another link on top of them")
+    return args, extra, parser
 
-        LinkModel.parse(args.link)  # fail now, not in every run
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+
+def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser: argparse.ArgumentParser) -> list[Row]:
+    """The table's rows: each named strategy's default row and, with ``--recipes``, its tuned row."""
+    names = [n.strip() for n in (args.strategies or default_strategies()).split(",") if n.strip()]
     strategy_args: dict[str, list[str]] = {}
     for item in args.strategy_arg:
         name, _, rest = item.partition(".")
         if not rest or "=" not in rest:
             parser.error(f"--strategy-arg must look like NAME.KEY=VALUE, got {item!r}")
-        strategy_args.setdefault(name, []).append(rest)
+        strategy_args.setdefault(name.replace("-", "_"), []).append(rest)
+    rows: list[Row] = []
+    for name in names:
+        key = name.replace("-", "_")
+        try:
+            default = make_row(name, strategy_args.get(key, []))
+        except ValueError as err:  # reported in the table; the other rows still run
+            rows.append(Row(label=name, strategy=name, class_path="", sync_stats=False, error=str(err)))
+            continue
+        path = recipe_path(args.recipes_dir, workload, default.strategy)
+        tuned = None
+        if args.recipes and default.strategy != REFERENCE:
+            if path.exists():
+                tuned = make_row(name, recipe=load_recipe(path), lr=lr)
+            else:
+                print(
+                    f"[compare] no recipe for {default.strategy} on {workload} ({path}): default row only", flush=True
+                )
+        if args.recipes != "only" or default.strategy == REFERENCE or tuned is None:
+            rows.append(default)
+        if tuned is not None:
+            rows.append(tuned)
+    return rows
+
+
+def _link_groups(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(label, emulated link) of each group of runs: one per --link, or one without emulation / on the cluster."""
+    if args.cluster:
+        return [(f"cluster {args.cluster}", None)]
+    if not args.link:
+        return [("none", None)]
+    from lightning_sync.comm.link import LinkModel
+
+    for spec in args.link:
+        LinkModel.parse(spec)  # fail now, not in every run
+    return [(spec, spec) for spec in args.link]
+
+
+@dataclass
+class Grid:
+    """What every run of a comparison shares: the base config (as written to ``out``), the target, the seeds, the
+    devices, the extra ``fit`` arguments, whether runs stop at the target, a wall-time cap and the cluster."""
+
+    config: dict[str, Any]
+    base_path: Path
+    target: Target
+    seeds: list[int]
+    devices: int
+    out: Path
+    extra: list[str] = field(default_factory=list)
+    stop: bool = True
+    run_timeout: float | None = None
+    cluster: Any = None
+
+
+def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[RunResult]:
+    """Every (link, seed, row) run, in that order (the rows of one seed run back to back, so a change in the
+    machine's load falls on all methods alike); a row that cannot run is a failed result, the others still run."""
+    results: list[RunResult] = []
+    total = len(groups) * len(grid.seeds) * len(rows)
+    index = 0
+    for group, link in groups:
+        for seed in grid.seeds:
+            for row in rows:
+                index += 1
+                run_dir = grid.out / slug(group) / slug(row.label) / f"seed{seed}"
+                result = RunResult(row.label, seed, group, run_dir)
+                progress = f"({index}/{total}) {group} {row.label} seed {seed}"
+                if row.error:  # unknown strategy: reported, the others still run
+                    result.error = row.error
+                    print(f"[compare] {progress}: FAILED ({result.error})", flush=True)
+                    results.append(result)
+                    continue
+                run_dir.mkdir(parents=True, exist_ok=True)
+                over = overlay(grid.config, row, seed, run_dir, grid.devices, link, grid.target, grid.stop)
+                overlay_path = run_dir / "overlay.yaml"
+                overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
+                cmd = build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)
+                (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+                results.append(run_one(result, cmd, progress, grid.cluster, grid.run_timeout))
+    return results
+
+
+def prepare(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> Grid:
+    """The grid of a parsed ``compare`` command line: the base config (with ``--model``/``--data`` class changes
+    applied, their init_args reset), the target, the seeds; the base config is written to ``out``."""
+    config_path = Path(args.config) if args.config else packaged_config(args.workload)
+    if not config_path.exists():
+        parser.error(f"--config {config_path}: no such file")
+    config = load_config(config_path)
+    config, extra, notes = apply_class_overrides(config, extra)
+    try:
+        target = find_target(config, args.metric, args.target)
+    except ValueError as err:
+        parser.error(str(err))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base_config, default_metric, default_curve = WORKLOADS[args.workload]
-    config = args.config or _packaged_config(base_config)
-    args.metric = args.metric or default_metric
-    args.curve_metric = args.curve_metric or default_curve
-    cluster = None
+    base_path = out / "base_config.yaml"
+    base_path.write_text(f"# {config_path}, as compare ran it\n" + yaml.safe_dump(config, sort_keys=False))
+    for note in notes:
+        print(f"[compare] {note}", flush=True)
+    seed_base = args.seed_base if args.seed_base is not None else int(config.get("seed_everything") or 0)
+    if args.devices is None:
+        devices = (config.get("trainer") or {}).get("devices", 2)
+        args.devices = devices if isinstance(devices, int) and devices >= 1 else 2
+    return Grid(
+        config=config,
+        base_path=base_path,
+        target=target,
+        seeds=[seed_base + i for i in range(args.seeds)],
+        devices=args.devices,
+        out=out,
+        extra=extra,
+        stop=not args.no_stop,
+        run_timeout=args.run_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the grid (or, with ``--merge``, re-render earlier runs); returns ``{"tables": {link: rows}, "runs":
+    [RunResult], "target": Target}``."""
+    argv = list(sys.argv[2:] if argv is None else argv)
+    args, extra, parser = parse_args(argv)
+    command = "lightning-sync compare " + shlex.join(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out), command)
+    try:
+        groups = _link_groups(args)
+    except ValueError as err:
+        parser.error(str(err))
+    grid = prepare(args, extra, parser)
+    rows = build_rows(args, args.workload, base_lr(grid.config), parser)
     if args.cluster:
         from lightning_sync.cluster import NamespaceCluster
 
         hosts, _, rate = args.cluster.partition("x")
         if not hosts.isdigit() or not rate:
             parser.error(f"--cluster must look like HOSTSxRATE, e.g. 4x1gbit; got {args.cluster!r}")
-        cluster = NamespaceCluster(int(hosts), rate).__enter__()
-    results = []
+        grid.cluster = NamespaceCluster(int(hosts), rate).__enter__()
     try:
-        for i, name in enumerate(names, 1):
-            try:
-                cmd = build_command(name, config, out, args.devices, args.link, strategy_args, extra)
-            except ValueError as err:
-                results.append(RunResult(name, error=str(err)))
-                print(f"[compare] ({i}/{len(names)}) {name}: FAILED ({err})", flush=True)
-                continue
-            results.append(run_one(name, cmd, out, i, len(names), cluster))
+        results = run_grid(grid, groups, rows)
     finally:
-        if cluster is not None:
-            cluster.destroy()
-    rows = summarize(results, args.metric, args.curve_metric, args.target)
-    table = markdown(rows, args.metric)
-    (out / "table.md").write_text(table + "\n")
-    write_csv(rows, out / "table.csv")
-    plots = plot(results, args.curve_metric, out)
-    link = args.link or "none"
+        if grid.cluster is not None:
+            grid.cluster.destroy()
     where = f"namespace cluster {args.cluster}" if args.cluster else f"{args.devices} processes"
-    print(f"\n## lightning-sync compare: {where}, emulated link {link}, base config {config}\n")
-    print(table)
-    print(f"\nwritten: {out / 'table.md'}, {out / 'table.csv'}, " + ", ".join(str(p) for p in plots))
-    return rows
+    return write_report(grid.out, groups, [r.label for r in rows], results, grid.target, where, command)
+
+
+def write_report(
+    out: Path,
+    groups: list[tuple[str, str | None]],
+    labels: list[str],
+    results: list[RunResult],
+    target: Target,
+    where: str,
+    command: str,
+) -> dict[str, Any]:
+    """Tables per link (Markdown, CSV), every run (CSV), plots; printed and written under ``out``."""
+    from lightning_sync.benchmark import report
+    from lightning_sync.comm.link import LinkModel
+
+    out.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, list[dict[str, Any]]] = {}
+    by_bandwidth: dict[float, dict[str, Any]] = {}
+    written: list[Path] = []
+    for group, link in groups:
+        runs = [r for r in results if r.link == group]
+        seeds = len({r.seed for r in runs})
+        rows = report.table_rows(labels, runs)
+        tables[group] = rows
+        folder = out / slug(group)
+        folder.mkdir(parents=True, exist_ok=True)
+        text = report.markdown(rows, target)
+        (folder / "table.md").write_text(text + "\n\n" + report.legend(target, seeds) + "\n")
+        report.write_csv(rows, folder / "table.csv")
+        written += [folder / "table.md", folder / "table.csv"]
+        written.append(report.plot_curves(runs, target, folder / "metric_vs_time.png", f"{where}, link {group}"))
+        written.append(report.plot_sync(runs, folder / "sync_over_steps.png"))
+        if link is not None:
+            by_bandwidth[LinkModel.parse(link).bits_per_second] = {
+                row["method"]: row["summary"] for row in rows if "summary" in row
+            }
+        print(f"\n## lightning-sync compare: {where}, emulated link {group}\n")
+        print(text)
+        print("\n" + report.legend(target, seeds))
+    report.write_runs(results, out / "runs.csv")
+    written.append(out / "runs.csv")
+    if by_bandwidth:
+        written.append(report.plot_bandwidth(by_bandwidth, target, out / "time_to_target_vs_bandwidth.png"))
+    summary = {
+        "command": command,
+        "where": where,
+        "target": {"metric": target.metric, "value": target.value, "mode": target.mode},
+        "labels": labels,
+        "groups": [list(g) for g in groups],
+        "tables": {
+            group: [{k: v for k, v in row.items() if k != "summary"} for row in rows] for group, rows in tables.items()
+        },
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print("\nwritten: " + ", ".join(str(p) for p in written + [out / "summary.json"]))
+    return {"tables": tables, "runs": results, "target": target}
+
+
+def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
+    """Re-render the runs of earlier ``compare`` outputs (e.g. one per link, with different seed counts) as one
+    report: a table per link and the bandwidth plot over all of them. Each folder's ``summary.json`` and
+    ``runs.csv`` say what ran; every run's own records are read again. The targets must agree."""
+    import csv as _csv
+
+    from lightning_sync.benchmark.ttt import outcome, read_records
+
+    groups: list[tuple[str, str | None]] = []
+    labels: list[str] = []
+    results: list[RunResult] = []
+    targets = set()
+    wheres = set()
+    for folder in map(Path, folders):
+        summary = json.loads((folder / "summary.json").read_text())
+        t = summary["target"]
+        targets.add((t["metric"], float(t["value"]), t["mode"]))
+        wheres.add(summary.get("where", ""))
+        groups += [(g, link) for g, link in summary["groups"] if (g, link) not in groups]
+        labels += [label for label in summary["labels"] if label not in labels]
+        with (folder / "runs.csv").open() as f:
+            for line in _csv.DictReader(f):
+                run_dir = Path(line["run_dir"])
+                r = RunResult(line["method"], int(line["seed"]), line["link"], run_dir, ok=line["ok"] == "True")
+                r.error, r.killed, r.seconds = line["error"], line["killed"] == "True", float(line["seconds"] or 0)
+                records = read_records(run_dir / "time_to_target.jsonl")
+                r.outcome = outcome(records) if records else None
+                results.append(r)
+    if len(targets) != 1:
+        raise ValueError(f"--merge: the folders measured different targets {sorted(targets)}; merge one target")
+    metric, value, mode = targets.pop()
+    return write_report(out, groups, labels, results, Target(metric, value, mode), " / ".join(sorted(wheres)), command)

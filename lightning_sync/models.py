@@ -1,4 +1,6 @@
-"""Small LightningModules for the embedded demo and the benchmarks (scikit-learn digits: 1x8x8, 10 classes)."""
+"""Small LightningModules for the embedded demo and the benchmarks: on scikit-learn's digits (1x8x8, 10 classes) a
+compute-bound CNN, a wide MLP and a VGG-11-shaped model whose head holds the bytes; on Python's own help text a
+character Transformer and a word-level Transformer whose embedding and output layers hold the bytes."""
 
 from __future__ import annotations
 
@@ -172,6 +174,170 @@ class CharTransformerLM(pl.LightningModule):
         t = x.shape[1]
         h = self.embed(x) + self.pos[:t]
         return self.head(self.encoder(h, mask=self.mask[:t, :t], is_causal=True))
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("test/loss", loss, sync_dist=True)
+        self.log("test/ppl", torch.exp(loss), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if hp.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=hp.lr)
+        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum)
+
+
+#: VGG-11 (Simonyan & Zisserman 2015, Table 1, configuration "A"): conv widths as multiples of the first, "M" a
+#: 2x2 max-pool. The original pools five times (224 -> 7); on 8x8 digits the first three pools take the map to 1x1.
+VGG11_LAYERS = (1, "M", 2, "M", 4, 4, "M", 8, 8, 8, 8)
+
+
+class DigitsVGG11(_Classifier):
+    """A communication-bound image model: VGG-11's shape on the 8x8 digits — eight 3x3 convolutions (configuration
+    A's widths 64-128-256-256-512-512-512-512 divided by ``64 / channels``, max-pooling to 1x1) and VGG's three fully
+    connected layers (``features -> fc -> fc -> classes``, ReLU, optional dropout).
+
+    As in VGG, the fully connected head holds most of the bytes: with the defaults (``channels=8``, ``fc=3072``) about
+    9.8M parameters (39 MB of float32), 98% of them in the head, while a step's compute is small (the convolutions
+    run on 8x8 to 1x1 maps). No BatchNorm by default (VGG-11 has none; ``batch_norm=True`` adds it after each
+    convolution).
+    """
+
+    def __init__(
+        self,
+        lr: float = 0.02,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        channels: int = 8,
+        fc: int = 3072,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+        num_classes: int = 10,
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
+    ) -> None:
+        super().__init__(lr, momentum, weight_decay, num_classes, lr_milestones, lr_gamma)
+        for name, value in (("channels", channels), ("fc", fc)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        width = 1
+        for item in VGG11_LAYERS:
+            if item == "M":
+                layers.append(nn.MaxPool2d(2))
+                continue
+            out = int(item) * channels
+            layers.append(nn.Conv2d(width, out, 3, padding=1))
+            if batch_norm:
+                layers.append(nn.BatchNorm2d(out))
+            layers.append(nn.ReLU(inplace=True))
+            width = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(width, fc),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(fc, fc),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(fc, num_classes),
+        )
+        for module in self.modules():  # torchvision's VGG initialisation (plain VGG does not train from the default)
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0, 0.01)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2:
+            x = x.view(-1, 1, 8, 8)
+        return self.head(self.features(x))
+
+
+class WordTransformerLM(pl.LightningModule):
+    """A communication-bound language model over words: a wide word embedding (``vocab_size x embed_dim``), projected
+    to a small causal Transformer (``layers`` layers of width ``dim``), and an untied output layer
+    (``dim x vocab_size``).
+
+    The embedding and output layers hold most of the bytes (with the defaults, 4096 x 2048 + 128 x 4096 of 9.4M
+    parameters, 95%; 38 MB of float32) while the compute per token is that of the small core: a wide embedding stands
+    in for the large vocabularies whose tables dominate word-level language models (this text has only ~4k distinct
+    tokens). The embedding's gradient is dense under data-parallel all-reduce (every row travels, whatever words the
+    batch held). No buffers: the causal mask is built per forward. Logs ``train/loss``, ``val/loss``, ``val/ppl``
+    (perplexity, exp of the mean loss) and ``test/ppl``; SGD with momentum (default) or AdamW.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        seq_len: int = 32,
+        embed_dim: int = 2048,
+        dim: int = 128,
+        heads: int = 4,
+        layers: int = 1,
+        dropout: float = 0.0,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        optimizer: str = "sgd",
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("seq_len", seq_len),
+            ("embed_dim", embed_dim),
+            ("dim", dim),
+            ("heads", heads),
+            ("layers", layers),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if dim % heads:
+            raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, embed_dim)
+        self.proj = nn.Linear(embed_dim, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        h = self.proj(self.embed(x)) + self.pos[:t]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
+        return self.head(self.encoder(h, mask=mask, is_causal=True))
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .cifar import CIFAR10DataModule
     from .digits import DigitsDataModule
     from .text import PythonTextDataModule
+    from .words import PythonWordsDataModule
 
 __all__ = [
     "CIFAR10DataModule",
@@ -27,6 +28,7 @@ __all__ = [
     "LabelSkew",
     "LocalCounter",
     "PythonTextDataModule",
+    "PythonWordsDataModule",
     "ResumableDataLoader",
     "SelDPSampler",
     "dynamic_loader",
@@ -49,4 +51,8 @@ def __getattr__(name: str) -> Any:
         from .text import PythonTextDataModule
 
         return PythonTextDataModule
+    if name == "PythonWordsDataModule":
+        from .words import PythonWordsDataModule
+
+        return PythonWordsDataModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,6 +10,7 @@ from lightning_sync.strategies.aladdin import ALADDINStrategy
 from lightning_sync.strategies.asp import ASPStrategy
 from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.bsp import BSPStrategy
+from lightning_sync.strategies.ddp import CountedDDPStrategy
 from lightning_sync.strategies.diloco import DiLoCoStrategy
 from lightning_sync.strategies.fedavg import FedAvgStrategy
 from lightning_sync.strategies.localsgd import LocalSGDStrategy
@@ -35,12 +36,15 @@ STRATEGIES: tuple[type[SyncStrategy], ...] = (
 
 for _cls in STRATEGIES:
     _cls.register_strategies(StrategyRegistry)
+# Lightning's DDP with the pack's accounting: the reference row of `compare` (not a SyncStrategy, so not in STRATEGIES)
+CountedDDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "ADPSGDStrategy",
     "ALADDINStrategy",
     "ASPStrategy",
     "BSPStrategy",
+    "CountedDDPStrategy",
     "DiLoCoStrategy",
     "FedAvgStrategy",
     "LocalSGDStrategy",

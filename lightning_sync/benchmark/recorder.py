@@ -1,0 +1,189 @@
+"""``TimeToTarget``: the callback that measures time to a fixed quality target, where it happens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_sync.benchmark.ttt import lower_is_better
+from lightning_sync.core.validation import check_bool, check_choice, check_real
+
+__all__ = ["TimeToTarget"]
+
+
+def _digest(batch: Any) -> str:
+    """A short SHA-1 of every tensor in ``batch`` (nested tuples, lists and dicts): tells data orders apart."""
+    h = hashlib.sha1()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            h.update(obj.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, dict):
+            for key in sorted(obj, key=str):
+                walk(obj[key])
+
+    walk(batch)
+    return h.hexdigest()[:16]
+
+
+class TimeToTarget(Callback):
+    """Record the wall time and the metric of every evaluation, and stop the run once the target is met.
+
+    MLPerf-style time to target: the clock starts when ``fit`` sets up (the ``setup`` hook, after the process group
+    exists and before the strategy wraps the model or starts its servers) and the time to target is the wall time at
+    the **end** of the first evaluation whose ``metric`` meets ``target`` (``>=`` for ``mode="max"``, ``<=`` for
+    ``"min"``; NaN never does). Evaluation time is included, for every method alike; the evaluation frequency is the
+    Trainer's (``check_val_every_n_epoch``, epochs sized with ``limit_train_batches``), part of the workload's config.
+
+    Rank 0 appends one JSON object per line to ``path`` as things happen (a run that is killed keeps what it
+    recorded):
+
+    * ``{"event": "start", "metric", "target", "mode", "seed", "world_size", "strategy"}`` at setup;
+    * ``{"event": "data", "first_batch": digest}`` at the first training batch (tells data orders apart);
+    * ``{"event": "eval", "epoch", "step", "wall_s", "eval_s", "value", "reached", "metrics", "comm"}`` at the end of
+      every evaluation (not the sanity check): ``comm`` is the strategy's ``sync_metrics()`` then (bytes sent,
+      blocked seconds, LSSR, ... — every strategy of the pack and ``CountedDDPStrategy`` have it);
+    * ``{"event": "end", "wall_s", "step", "reached", "comm"}`` when training ends.
+
+    With ``stop=True`` the Trainer stops after the evaluation that met the target. The decision is taken together
+    (``strategy.reduce_boolean_decision``, as ``EarlyStopping`` does), so ranks stop at the same point.
+
+    Args:
+        metric: a metric logged at validation, e.g. ``"val/acc"`` or ``"val/ppl"``.
+        target: the value to reach, a finite number.
+        mode: ``"max"`` (higher is better), ``"min"``, or ``"auto"``: ``"min"`` when the name says loss, perplexity
+            or error, else ``"max"``.
+        stop: stop the run at the evaluation that reached the target.
+        path: the JSON-lines file (``None``: ``<trainer.log_dir or default_root_dir>/time_to_target.jsonl``).
+    """
+
+    def __init__(
+        self, metric: str, target: float, mode: str = "auto", stop: bool = True, path: str | None = None
+    ) -> None:
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be the non-empty name of a logged metric, e.g. 'val/acc'; got {metric!r}")
+        self.metric = metric
+        self.target = check_real("target", target)
+        check_choice("mode", mode, ("auto", "max", "min"))
+        self.mode = ("min" if lower_is_better(metric) else "max") if mode == "auto" else mode
+        self.stop = check_bool("stop", stop)
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
+            raise ValueError(f"path must be a file path (a non-empty string) or None, got {path!r}")
+        self.path = None if path is None else str(path)
+        self._t0 = time.perf_counter()
+        self._eval_started: float | None = None
+        self._reached_at: float | None = None
+        self._saw_batch = False
+        self._file: Path | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def meets(self, value: float) -> bool:
+        """Whether ``value`` meets the target (NaN never does)."""
+        if math.isnan(value):
+            return False
+        return value >= self.target if self.mode == "max" else value <= self.target
+
+    def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+        if trainer.global_rank != 0 or self._file is None:
+            return
+        with self._file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    @staticmethod
+    def _comm(trainer: pl.Trainer) -> dict[str, float]:
+        sync_metrics = getattr(trainer.strategy, "sync_metrics", None)
+        return {k: float(v) for k, v in sync_metrics().items()} if callable(sync_metrics) else {}
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._t0 = time.perf_counter()
+        self._reached_at = None
+        self._saw_batch = False
+        if trainer.global_rank == 0:
+            path = self.path or os.path.join(trainer.log_dir or trainer.default_root_dir, "time_to_target.jsonl")
+            self._file = Path(path)
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            self._file.write_text("")
+        self._write(
+            trainer,
+            {
+                "event": "start",
+                "metric": self.metric,
+                "target": self.target,
+                "mode": self.mode,
+                "seed": int(os.environ.get("PL_GLOBAL_SEED", "0") or 0),
+                "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__,
+            },
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._saw_batch:
+            self._saw_batch = True
+            if trainer.global_rank == 0:
+                self._write(trainer, {"event": "data", "first_batch": _digest(batch)})
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_started = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        if self.metric not in trainer.callback_metrics:
+            logged = sorted(trainer.callback_metrics)
+            raise ValueError(
+                f"TimeToTarget: the metric {self.metric!r} was not logged at validation; logged: {logged}. Log it "
+                "in validation_step (with sync_dist=True, or a torchmetrics metric) or name another metric."
+            )
+        now = time.perf_counter()
+        value = float(trainer.callback_metrics[self.metric])
+        reached = trainer.strategy.reduce_boolean_decision(self.meets(value), all=False)
+        first = reached and self._reached_at is None
+        if first:
+            self._reached_at = now - self._t0
+        self._write(
+            trainer,
+            {
+                "event": "eval",
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                "wall_s": now - self._t0,
+                "eval_s": now - self._eval_started if self._eval_started is not None else math.nan,
+                "value": value,
+                "reached": bool(reached),
+                "first": bool(first),
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")},
+                "comm": self._comm(trainer),
+            },
+        )
+        if reached and self.stop:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(
+            trainer,
+            {
+                "event": "end",
+                "wall_s": time.perf_counter() - self._t0,
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "reached": self._reached_at is not None,
+                "comm": self._comm(trainer),
+            },
+        )
