@@ -26,18 +26,16 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -58,14 +56,15 @@ from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
 from lightning_sync.strategies.checks import (
     START_METHODS,
-    check_compressible_state,
     check_ddp_arguments,
     check_link,
     check_supported,
 )
 from lightning_sync.strategies.collectives import CountedCollectives
+from lightning_sync.strategies.compressed import CompressedAveraging
+from lightning_sync.strategies.evaluation import GlobalModelEvaluation
 from lightning_sync.strategies.injection import DataInjector
-from lightning_sync.strategies.launcher import SyncLauncher
+from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
 from lightning_sync.strategies.sigterm import SigtermCheck
 
 __all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
@@ -78,16 +77,15 @@ VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
 
 
-def _refuse_after_spawn(name: str, what: str, *args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError(
-        f"{name}.{what} is not available in the launching process after a spawn launch: the ranks trained in child "
-        "processes, and only rank 0's sync_metrics(), sync_event_metrics(), comm_stats, step_counter and result "
-        "summaries came back. Read those, or launch by re-running the script (strategy='<name>', start_method="
-        "'popen', as Lightning's 'ddp'), where the launching process is rank 0."
-    )
-
-
-class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPStrategy):
+class SyncStrategy(
+    SyncLaunching,
+    GlobalModelEvaluation,
+    CompressedAveraging,
+    PerRankCheckpointing,
+    CountedCollectives,
+    SigtermCheck,
+    DDPStrategy,
+):
     """Base of every lightning_sync strategy. Subclasses implement :meth:`_after_backward` /
     :meth:`_after_update` with the helpers :meth:`average_state` and :meth:`average_grads`.
 
@@ -157,8 +155,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     #: own back afterwards, and the main checkpoint file holds that average. Only meaningful with
     #: :attr:`replicas_diverge`; the parameter-server strategies set ``False``: they swap in the servers' model.
     averages_for_eval: ClassVar[bool] = True
-    #: Public result attributes a spawn launch copies from rank 0 to the launching process (when the strategy has them).
-    summary_attributes: ClassVar[tuple[str, ...]] = ("server_summary", "switches")
 
     def __init__(
         self,
@@ -229,44 +225,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self._main_state_dict: dict[str, Any] | None = None  # what the main checkpoint file holds during a save
         self._adopted: dict[str, Any] | None = None  # rank 0's launch summary, in the launching process after spawn
 
-    # ------------------------------------------------------------------ registry
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``strategy_name`` (launched as Lightning's ``ddp``: the script re-run per rank),
-        ``<strategy_name>_spawn`` (as ``ddp_spawn``: pytest, scripts that cannot be re-run) and
-        ``<strategy_name>_notebook`` (as ``ddp_notebook``: fork, the one start method Lightning allows in notebooks)."""
-        if not cls.strategy_name:
-            return
-        description = cls.strategy_description or cls.__doc__ or ""
-        entries = (
-            (cls.strategy_name, "popen"),
-            (f"{cls.strategy_name}_spawn", "spawn"),
-            (f"{cls.strategy_name}_notebook", "fork"),
-        )
-        for name, start_method in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"{description} (start_method={start_method!r})", start_method=start_method
-                )
-
-    def _configure_launcher(self) -> None:
-        """As Lightning's ``DDPStrategy``: ``"popen"`` re-runs the script for every other rank, ``"spawn"``/``"fork"``
-        start child processes (with :class:`~lightning_sync.strategies.launcher.SyncLauncher`, which ships rank 0's
-        results back). Under torchrun, SLURM or any launcher that starts the processes itself (``LOCAL_RANK`` set),
-        launch nothing whatever ``start_method`` says; Lightning's ``DDPStrategy`` would spawn again inside each
-        process. So ``strategy="selsync"`` goes multi-node by configuration alone."""
-        assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally or self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = SyncLauncher(self, start_method=self._start_method)
-
     # ------------------------------------------------------------------ accessors
     @property
     def comm(self) -> Communicator:
         if self._comm is None:
             if self._adopted is not None:
-                _refuse_after_spawn(type(self).__name__, "comm")
+                refuse_after_spawn(type(self).__name__, "comm")
             raise RuntimeError(f"{type(self).__name__} has no communicator before setup_environment()")
         return self._comm
 
@@ -274,7 +238,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def flat(self) -> FlatState:
         if self._flat is None:
             if self._adopted is not None:
-                _refuse_after_spawn(type(self).__name__, "flat")
+                refuse_after_spawn(type(self).__name__, "flat")
             raise RuntimeError(f"{type(self).__name__} has no flat state before setup() while fitting")
         return self._flat
 
@@ -328,20 +292,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def _on_flat_ready(self) -> None:
         """Subclass hook: the flat state exists and replicas are identical (or restored)."""
 
-    def _averages_state(self) -> bool:
-        """Whether this method averages parameters (:meth:`average_state`): with compression it then keeps the
-        reference copy of the last average. Methods whose replicas never diverge (gradient averaging) do not."""
-        return self.replicas_diverge
-
-    def _setup_compression(self) -> None:
-        """At setup, with the replicas identical: refuse tensors the compression cannot apply to, and take the
-        reference of compressed parameter averaging (a resume overwrites it with the checkpoint's)."""
-        if self.compression is None:
-            return
-        check_compressible_state(self.compression, self.flat, type(self).__name__)
-        if self._averages_state() and self.world_size > 1:
-            self._reference = [t.detach().clone() for t in self.flat.state_tensors()]
-
     # ------------------------------------------------------------------ the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.injector is not None and args:
@@ -391,6 +341,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Gradients of this step are ready (flat, bound); the optimizer has not updated yet."""
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        """The optimizer has applied this step's update."""
 
     def _overlap_grads(self) -> tuple[Communicator, str] | None:
         """Before the backward of a step that will update the model: ``(communicator, tag)`` if this step's
@@ -444,90 +397,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         elif self._updates_since_average > 0:
             self.average_state(tag="final")
 
-    # ------------------------------------------------------------------ evaluating the global model
-    def _evaluates_average(self) -> bool:
-        """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
-        average instead of each rank's own."""
-        return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.world_size > 1
-
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._evaluates_average():
-            # every rank validates the global model w = W 1/n, so metrics, EarlyStopping and ModelCheckpoint decide
-            # on one value; each rank's own replica waits in a scratch copy and is put back bit-exactly afterwards
-            self._eval_replica = self._swap_in_average("eval")
-
-    def on_validation_end(self) -> None:
-        # after the callbacks' on_validation_end (ModelCheckpoint saves there, with the average swapped in)
-        if self._eval_replica is not None:
-            self._put_back(self._eval_replica)
-            self._eval_replica = None
-        super().on_validation_end()
-
-    def _swap_in_average(self, tag: str) -> list[Tensor]:
-        """Average parameters and buffers into the module (one exact all-reduce per flat buffer, counted under
-        ``tag``); return this rank's values from before, for :meth:`_put_back`.
-
-        This is an observation, not a sync: it changes no method state — no outer-optimizer step (with DiLoCo's
-        outer optimizer, validation sees the replicas' plain mean, not the next outer step), no compression
-        reference or error feedback (the mean is exact, in the data's dtype)."""
-        tensors = self.flat.state_tensors()
-        replica = [t.detach().clone() for t in tensors]
-        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
-        return replica
-
-    def _put_back(self, replica: list[Tensor]) -> None:
-        for tensor, saved in zip(self.flat.state_tensors(), replica):
-            tensor.copy_(saved)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Each rank's part holds its own replica; the main file the global model (see :meth:`_main_file_checkpoint`).
-        A save while validation has the average swapped in (``ModelCheckpoint`` saves in ``on_validation_end``) has
-        that average in ``checkpoint``: the main file keeps it — the model whose score was just monitored — and the
-        parts are written with each rank's replica put back for the moment."""
-        if self._eval_replica is None or self._comm is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self._main_state_dict = {k: v.detach().clone() for k, v in checkpoint["state_dict"].items()}
-        average = [t.detach().clone() for t in self.flat.state_tensors()]
-        self._put_back(self._eval_replica)
-        try:
-            own = {**checkpoint, "state_dict": self.lightning_module_state_dict()}
-            super().save_checkpoint(own, filepath, storage_options=storage_options)
-        finally:
-            self._put_back(average)
-            self._main_state_dict = None
-
-    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """The main file holds the global model (the replicas' average; during validation, the one validated), so
-        ``trainer.test(ckpt_path="best")`` and any consumer of the file get the same model on every rank. Outside
-        validation the average costs one all-reduce, tagged ``"checkpoint"`` (bookkeeping, not training traffic)."""
-        if self._main_state_dict is not None:
-            return {**checkpoint, "state_dict": self._main_state_dict}
-        if not self._evaluates_average():
-            return checkpoint
-        replica = self._swap_in_average("checkpoint")
-        try:
-            average = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
-        finally:
-            self._put_back(replica)
-        return {**checkpoint, "state_dict": average}
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the file rank 0 wrote: ranks whose step counts differ (the asynchronous methods) name
-        the same checkpoint differently (``ModelCheckpoint``'s ``{step}``), so ``ckpt_path="best"`` resolves to rank
-        0's name on every rank (one broadcast). Validate/test/predict from a checkpoint evaluate the global model in
-        the main file on every rank; a resumed fit restores each rank's own part."""
-        if self._comm is not None and self.world_size > 1:
-            checkpoint_path = self.comm.broadcast_object(checkpoint_path, src=0, tag="checkpoint")
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn != TrainerFn.FITTING and self.replicas_diverge:
-            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    def _after_update(self, optimizer: Optimizer) -> None:
-        """The optimizer has applied this step's update."""
-
     # ------------------------------------------------------------------ sync helpers
     def average_state(
         self, tag: str = "params", participants: list[int] | None = None, on_mean: Callable[[], None] | None = None
@@ -571,37 +440,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
 
-    def _average_state_compressed(self, tensors: list[Tensor], tag: str, participants: list[int] | None) -> None:
-        """Compressed :meth:`average_state`: every rank sends its change since the last average,
-        ``x_i − ref`` (so a cast or int8 rounds the update, not the parameters), the compressed all-reduce averages
-        the changes in fp32 and every rank takes ``ref + mean``, which becomes the new reference. The mean of the
-        replicas is ``ref + mean(x_i − ref)`` exactly for any reference the ranks share; the result is bit-identical
-        on every rank. int8 keeps one error-feedback stream per flat buffer (``state/<i>``)."""
-        assert self.compressor is not None
-        if participants is not None and not participants:
-            raise ValueError("participants must name at least one rank")
-        if self._reference is None:
-            raise RuntimeError(
-                f"{type(self).__name__} averaged parameters with compression but took no reference at setup: "
-                "override _averages_state() to return True"
-            )
-        subset = participants is not None and len(participants) != self.world_size
-        contribute = not subset or self.global_rank in (participants or [])
-        for i, (t, ref) in enumerate(zip(tensors, self._reference)):
-            t.sub_(ref)
-            feedback = self.compressor.feedback(f"state/{i}", t.numel(), t.dtype, t.device)
-            self.comm.all_reduce_compressed(
-                t,
-                self.compressor,
-                op="sum" if subset else "avg",
-                tag=tag,
-                feedback=feedback,
-                divisor=float(len(participants)) if subset and participants else None,
-                contribute=contribute,
-            )
-            t.add_(ref)
-            ref.copy_(t)
-
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
         ranks; a subgroup's communicator averages over its members only): the buckets launched during backward when
@@ -635,21 +473,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             if verify_update:
                 self._verify_after_update = comm
 
-    def _average_grads_compressed(self, comm: Communicator, tag: str) -> list[Tensor]:
-        """Compressed :meth:`average_grads`: each flat gradient buffer through a compressed all-reduce (int8 with the
-        error-feedback stream ``grads/<i>``); the floating buffers (BatchNorm statistics: state, not increments, and
-        small) in one exact all-reduce of their own. Returns what the sync made identical."""
-        assert self.compressor is not None
-        flat = self.flat
-        grads = flat.grad_tensors(with_buffers=False)
-        for i, t in enumerate(grads):
-            feedback = self.compressor.feedback(f"grads/{i}", t.numel(), t.dtype, t.device)
-            comm.all_reduce_compressed(t, self.compressor, op="avg", tag=tag, feedback=feedback)
-        buffers = [g.buffers for g in flat.groups if g.buffer_numel]
-        if buffers:
-            comm.all_reduce_many(buffers, op="avg", tag=tag)
-        return grads + buffers
-
     def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
         comm = comm if comm is not None else self.comm
         local = self.flat.checksum(tensors)
@@ -681,41 +504,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """Method-specific values :class:`~lightning_sync.callbacks.SyncStats` logs at every step that synced."""
         return {}
 
-    # ------------------------------------------------------------------ results after a spawn launch
-    def launch_summary(self) -> dict[str, Any]:
-        """What a spawn launch ships from rank 0 to the launching process
-        (:class:`~lightning_sync.strategies.launcher.SyncLauncher`): :meth:`sync_metrics`, :meth:`sync_event_metrics`,
-        the communication totals, the step counter and the :attr:`summary_attributes` this strategy has."""
-        return {
-            "metrics": self.sync_metrics(),
-            "event_metrics": self.sync_event_metrics(),
-            "comm": self.comm_stats.state_dict(),
-            "steps": self.step_counter.state_dict(),
-            "attributes": {n: getattr(self, n) for n in self.summary_attributes if hasattr(self, n)},
-        }
-
-    def adopt_launch_summary(self, summary: dict[str, Any]) -> None:
-        """In the launching process after a spawn launch: take rank 0's :meth:`launch_summary`. ``sync_metrics()``
-        and ``sync_event_metrics()`` then return rank 0's values (subclasses compute theirs from state this process
-        never had, so the answers are pinned on the instance); ``comm``, ``flat`` and :meth:`strategy_state` raise."""
-        self.comm_stats.load_state_dict(summary["comm"])
-        self.step_counter.load_state_dict(summary["steps"])
-        for name, value in summary["attributes"].items():
-            setattr(self, name, value)
-        self._adopted = summary
-        self.__dict__.update(  # instance attributes shadow the (subclasses') methods
-            sync_metrics=partial(dict, summary["metrics"]),
-            sync_event_metrics=partial(dict, summary["event_metrics"]),
-            strategy_state=partial(_refuse_after_spawn, type(self).__name__, "strategy_state()"),
-        )
-
-    def _forget_launch_summary(self) -> None:
-        """A new launch of this strategy object trains or evaluates for itself again."""
-        if self._adopted is not None:
-            for name in ("sync_metrics", "sync_event_metrics", "strategy_state"):
-                self.__dict__.pop(name, None)
-            self._adopted = None
-
     # ------------------------------------------------------------------ state
     def strategy_state(self) -> dict[str, Any]:
         """This rank's state; subclasses extend the dict (``state = super().strategy_state(); state[...] = ...``)."""
@@ -728,10 +516,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 "updates_since_average": self._updates_since_average,
             }
         if self.compressor is not None:
-            state["compression"] = {
-                "residuals": self.compressor.state_dict(),
-                "reference": None if self._reference is None else [r.detach().cpu().clone() for r in self._reference],
-            }
+            state["compression"] = self._compression_state()
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -751,19 +536,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             self.outer.load_state_dict(saved_outer["optimizer"])
             self._updates_since_average = int(saved_outer["updates_since_average"])
         self._load_compression_state(state.get("compression"))
-
-    def _load_compression_state(self, saved: dict[str, Any] | None) -> None:
-        if (saved is None) != (self.compressor is None):
-            raise ValueError(
-                f"the checkpoint was written with compression {'off' if saved is None else 'on'}; this run has "
-                f"compression={self.compression!r}. Resume with the compression the checkpoint was written with."
-            )
-        if saved is None or self.compressor is None:
-            return
-        self.compressor.load_state_dict(saved["residuals"])
-        if saved.get("reference") is not None and self._reference is not None:
-            for ref, value in zip(self._reference, saved["reference"]):
-                ref.copy_(value)
 
     # ------------------------------------------------------------------ data
     def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:
