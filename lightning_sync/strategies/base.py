@@ -1,28 +1,31 @@
-"""``SyncStrategy``: the Lightning glue every method in the pack builds on.
+"""``SyncStrategy``: the Lightning glue every method in the pack builds on, and the method author's surface.
 
-A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication:
+A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication. The module is **not** wrapped in
+``DistributedDataParallel``: its parameters and floating-point buffers become views of persistent flat buffers
+(:class:`~lightning_sync.comm.FlatState`), and rank 0's values are broadcast at setup so every replica starts
+identical. The optimizer closure is wrapped so a method acts **after backward and before the update**
+(:meth:`_after_backward`) and **after the update** (:meth:`_after_update`). Every collective, the method's own and
+Lightning's, goes through one :class:`~lightning_sync.comm.Communicator`: one :class:`~lightning_sync.comm.CommStats`
+per rank counts bytes sent, collectives and seconds blocked, and an optional :class:`~lightning_sync.comm.LinkModel`
+delays each operation as a slower network would. :class:`~lightning_sync.callbacks.SyncStats` is added unless the user
+did (``sync_stats=False`` opts out).
 
-* the module is **not** wrapped in ``DistributedDataParallel``; its parameters and floating-point buffers become
-  views of persistent flat buffers (:class:`~lightning_sync.comm.FlatState`) and rank 0's values are broadcast
-  at setup so every replica starts identical;
-* the optimizer closure is wrapped so a method acts **after backward and before the update**
-  (:meth:`_after_backward`) and **after the update** (:meth:`_after_update`);
-* every collective — the method's own and Lightning's (``reduce``, ``barrier``, ``broadcast``, ``all_gather``)
-  — goes through one :class:`~lightning_sync.comm.Communicator`, so one :class:`~lightning_sync.comm.CommStats`
-  per rank counts bytes sent, collectives and seconds blocked, and an optional
-  :class:`~lightning_sync.comm.LinkModel` delays each operation as a slower network would;
-* per-rank state (counters, accounting, each method's own; each rank's model and optimizer state when replicas
-  can differ) is written beside the checkpoint by every rank and restored to the same trajectory;
-* it is a drop-in for Lightning's ``ddp``: launched the same way (``"<name>"`` re-runs the script for the other ranks,
-  ``"<name>_spawn"`` spawns them and ships rank 0's results back, :mod:`~lightning_sync.strategies.launcher`);
-  validation during fit of a method whose replicas diverge evaluates the global model (the replicas' average,
-  swapped in for validation and each rank's own put back bit-exactly), and checkpoints' main file holds it; and
-  :class:`~lightning_sync.callbacks.SyncStats` is added unless the user did (``sync_stats=False`` opts out).
+This file holds what a method author reads — the constructor, the step and its hooks, :meth:`average_state` /
+:meth:`average_grads`, metrics and state; :class:`SyncStrategy`'s docstring is the guide. The rest is in mixins, one
+concern each: :mod:`~lightning_sync.strategies.launcher` (registered names, launcher, what a spawn launch ships back),
+:mod:`~lightning_sync.strategies.evaluation` (validation and the main checkpoint file see the global model),
+:mod:`~lightning_sync.strategies.checkpoint` (every rank's part beside the checkpoint),
+:mod:`~lightning_sync.strategies.compressed` (the compressed paths of the two averages),
+:mod:`~lightning_sync.strategies.outer` (the outer optimizer of parameter averaging),
+:mod:`~lightning_sync.strategies.overlap` (the gradient all-reduce overlapped with backward),
+:mod:`~lightning_sync.strategies.training_data` (data injection, loader transforms),
+:mod:`~lightning_sync.strategies.collectives` (Lightning's collectives, counted) and
+:mod:`~lightning_sync.strategies.sigterm` (the SIGTERM check, listening to every rank); argument and setup checks
+are in :mod:`~lightning_sync.strategies.checks`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,52 +38,40 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import (
-    CommHandle,
-    CommStats,
-    Communicator,
-    FlatState,
-    LinkModel,
-    destroy_default_group,
-    report_failure,
-)
+from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
 from lightning_sync.comm.buckets import GradBuckets
 from lightning_sync.comm.compression import Compressor, check_compression
 from lightning_sync.core import StepCounter
-from lightning_sync.core.outer import OuterOptimizer, OuterSGD
+from lightning_sync.core.outer import OuterOptimizer
 from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
-from lightning_sync.strategies.checks import (
-    START_METHODS,
-    check_ddp_arguments,
-    check_link,
-    check_supported,
-)
+from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
 from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.compressed import CompressedAveraging
 from lightning_sync.strategies.evaluation import GlobalModelEvaluation
 from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
+from lightning_sync.strategies.outer import OuterAveraging
+from lightning_sync.strategies.overlap import OverlappedGrads
 from lightning_sync.strategies.sigterm import SigtermCheck
+from lightning_sync.strategies.training_data import DataLoaderTransform, TrainingData
 
 __all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
 
-log = logging.getLogger(__name__)
-
 #: environment variable that turns ``verify_sync`` on for every strategy (test mode)
 VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
-
-DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
 
 
 class SyncStrategy(
     SyncLaunching,
     GlobalModelEvaluation,
     CompressedAveraging,
+    OuterAveraging,
+    OverlappedGrads,
+    TrainingData,
     PerRankCheckpointing,
     CountedCollectives,
     SigtermCheck,
@@ -121,13 +112,29 @@ class SyncStrategy(
             passed on as they are after a type check (a Lightning object of the documented class, or ``None``;
             ``accelerator`` may also be a name such as ``"cpu"``, resolved by the Trainer).
 
-    For method authors: put the math in ``lightning_sync.core`` and keep the subclass to glue. Override
-    :meth:`_after_backward` (gradients ready, before the update) and/or :meth:`_after_update`; call
-    :meth:`average_state` / :meth:`average_grads` (or ``self.comm`` for anything else) and record each step with
-    ``self.step_counter.record(synced)``. Extend :meth:`strategy_state` / :meth:`load_strategy_state` with every
-    piece of per-rank state, :meth:`sync_metrics` with what should be logged every few steps and
-    :meth:`sync_event_metrics` with what should be logged at each sync. Set :attr:`replicas_diverge` and
-    :attr:`carries_sigterm` to match the method. Every collective must be issued in the same order on all ranks.
+    **For method authors.** Put the math in ``lightning_sync.core`` and keep the subclass to glue; every collective
+    must be issued in the same order on all ranks. The hooks that are yours, in the order they run:
+
+    * ``__init__``: check your arguments (``ValueError`` naming the argument and its range), set yours, then
+      ``super().__init__(**kwargs)``. Set :attr:`outer_config` (``core.outer.parse_outer_optimizer``) and an
+      ``average_at_end`` attribute if the method takes them.
+    * :meth:`_check_supported` (``setup``): reject Trainer settings the method cannot honour (call ``super()`` first).
+    * :meth:`_on_flat_ready` (``setup``): the flat state exists and replicas are identical (or restored on resume).
+    * Every optimizer step, in :meth:`optimizer_step`: :meth:`_overlap_grads` (with :attr:`bucket_cap_mb` and no
+      compression: announce a gradient average to overlap with backward), then Lightning's closure (training_step,
+      backward), then :meth:`_after_backward` (gradients ready in the flat buffer, no update yet: call
+      :meth:`average_grads` here), the optimizer's update, then :meth:`_after_update` (call :meth:`average_state`
+      here), then the SIGTERM check unless :attr:`carries_sigterm`. Record each step with
+      ``self.step_counter.record(synced)``; use ``self.comm`` for any other collective.
+    * :meth:`strategy_state` / :meth:`load_strategy_state`: every piece of per-rank state (each rank's checkpoint part
+      holds it; extend with ``super()``).
+    * :meth:`sync_metrics` (logged every few steps) and :meth:`sync_event_metrics` (logged at each sync).
+    * Lightning's hooks (``on_train_start``, ``on_train_end``, ``on_validation_start``, ``teardown``...) may be
+      extended with ``super()``; ``on_train_end`` runs :meth:`_average_at_end` when ``average_at_end`` is set.
+
+    Set :attr:`replicas_diverge`, :attr:`carries_sigterm`, :attr:`supports_accumulation` and :attr:`averages_for_eval`
+    to match the method; with compression, :meth:`_averages_state` says whether it averages parameters.
+    :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example.
     """
 
     strategy_name: ClassVar[str | None] = None
@@ -148,9 +155,6 @@ class SyncStrategy(
     bucket_cap_mb: float | None = None
     #: DDP's ``find_unused_parameters`` for the overlapped all-reduce (see :mod:`lightning_sync.comm.buckets`)
     find_unused_parameters: bool = False
-    #: The outer optimizer of parameter averaging (DiLoCo), parsed by the strategies that take an ``outer_optimizer``
-    #: argument (``core.outer.parse_outer_optimizer``); None: plain averaging. See :meth:`average_state`.
-    outer_config: OuterSGD | None = None
     #: Whether validation during fit averages diverged replicas into the module (tag ``"eval"``) and puts each rank's
     #: own back afterwards, and the main checkpoint file holds that average. Only meaningful with
     #: :attr:`replicas_diverge`; the parameter-server strategies set ``False``: they swap in the servers' model.
@@ -271,18 +275,12 @@ class SyncStrategy(
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
         assert self.model is not None
         self._flat = FlatState(self.model)
-        if self._grad_buckets is not None:  # a previous setup's hooks
-            self._grad_buckets.remove()
-            self._grad_buckets = None
-        if self.bucket_cap_mb is not None:
-            names = {i: name for i, (name, _) in enumerate(self.model.named_parameters())}
-            self._grad_buckets = GradBuckets(self._flat, self.bucket_cap_mb, names, self.find_unused_parameters)
+        self._setup_grad_buckets()
         if not (self._restored_state is not None and self._restored_per_rank):
             # start identical; a resume of per-rank replicas keeps each rank's own (loaded before setup)
             for tensor in self._flat.state_tensors():
                 self.comm.broadcast(tensor, src=0, tag="setup")
-        if self.outer_config is not None:  # the global parameters start as the (identical) replicas; or restored
-            self.outer = OuterOptimizer(self.outer_config, [g.state[: g.param_numel] for g in self._flat.groups])
+        self._setup_outer()
         self._setup_compression()
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
@@ -293,11 +291,6 @@ class SyncStrategy(
         """Subclass hook: the flat state exists and replicas are identical (or restored)."""
 
     # ------------------------------------------------------------------ the step
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.injector is not None and args:
-            args = (self.injector.inject(args[0], self.comm, self._comm_device()), *args[1:])
-        return super().training_step(*args, **kwargs)
-
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
         if self._flat is not None:
@@ -317,16 +310,9 @@ class SyncStrategy(
                 self._last_loss = result
                 self._after_backward(optimizer)
             except BaseException:
-                if self._grad_buckets is not None:
-                    self._grad_buckets.abandon()
+                self._abandon_grad_buckets()
                 raise
-            buckets = self._grad_buckets
-            if buckets is not None and buckets.armed:
-                buckets.finish(self.comm)  # nothing left in flight, then say whose contract was broken
-                raise RuntimeError(
-                    f"{type(self).__name__}._overlap_grads() announced a gradient average for this step, but "
-                    "_after_backward did not call average_grads with that communicator and tag"
-                )
+            self._check_grad_buckets_finished()
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -353,22 +339,6 @@ class SyncStrategy(
         :meth:`average_grads` is one all-reduce after backward). Only used when :attr:`bucket_cap_mb` is set."""
         return None
 
-    def _arm_grad_buckets(self) -> None:
-        buckets = self._grad_buckets
-        if buckets is None or self.compressor is not None:
-            # compressed gradient averaging is one compressed all-reduce per flat buffer after backward (buffers
-            # exact, beside it): the buckets' overlap is not combined with compression
-            return
-        plan = self._overlap_grads()
-        if plan is None:
-            return
-        comm, tag = plan
-
-        def launch(tensor: Tensor) -> CommHandle:
-            return comm.all_reduce(tensor, op="avg", tag=tag, async_op=True)
-
-        buckets.arm(launch, key=(comm, tag))
-
     # ------------------------------------------------------------------ train start and end
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -385,17 +355,6 @@ class SyncStrategy(
         if getattr(self, "average_at_end", False) and self._flat is not None:
             self._average_at_end()
         super().on_train_end()
-
-    def _average_at_end(self) -> None:
-        r"""``average_at_end``: hand back the global model, not rank 0's replica. Without an outer optimizer, the
-        average of the replicas (w = W 1/n). With one, the outer step on the inner steps since the last one — the
-        global model DiLoCo would hold after one more sync; none when the last step synced (the replicas then hold
-        :math:`\theta_{global}`, and a step on a zero pseudo-gradient would still move it by the momentum)."""
-        if self.outer is None:
-            if self.world_size > 1:
-                self.average_state(tag="final")
-        elif self._updates_since_average > 0:
-            self.average_state(tag="final")
 
     # ------------------------------------------------------------------ sync helpers
     def average_state(
@@ -429,14 +388,7 @@ class SyncStrategy(
                 t.div_(len(participants))
         if on_mean is not None:
             on_mean()
-        if self.outer is not None:
-            for index, g in enumerate(self.flat.groups):
-                if g.param_numel:
-                    self.outer.step(g.state[: g.param_numel], index)
-            self._updates_since_average = 0
-            if self._reference is not None:  # compressed: the next changes are taken from what every rank now holds
-                for ref, t in zip(self._reference, tensors):
-                    ref.copy_(t)
+        self._outer_step(tensors)
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
 
@@ -452,18 +404,11 @@ class SyncStrategy(
         """
         comm = comm if comm is not None else self.comm
         flat = self.flat
-        buckets = self._grad_buckets
-        if buckets is not None and buckets.armed:
-            # launched bucket by bucket during backward (see _overlap_grads): launch the rest, wait for all
-            if buckets.key != (comm, tag):
-                raise RuntimeError(
-                    f"average_grads(tag={tag!r}) over another communicator or tag than {type(self).__name__}."
-                    f"_overlap_grads() announced for this step ({buckets.key[1]!r})"
-                )
-            tensors = buckets.finish(comm)
-        elif self.compressor is not None:
+        # launched bucket by bucket during backward if _overlap_grads announced this call: launch the rest, wait
+        tensors = self._finish_grad_buckets(comm, tag)
+        if tensors is None and self.compressor is not None:
             tensors = self._average_grads_compressed(comm, tag)
-        else:
+        elif tensors is None:
             flat.stage_buffers()
             tensors = flat.grad_tensors()
             comm.all_reduce_many(tensors, op="avg", tag=tag)
@@ -511,10 +456,7 @@ class SyncStrategy(
         if self.injector is not None:
             state["injector"] = self.injector.state_dict()
         if self.outer is not None:
-            state["outer"] = {
-                "optimizer": self.outer.state_dict(),
-                "updates_since_average": self._updates_since_average,
-            }
+            state["outer"] = self._outer_state()
         if self.compressor is not None:
             state["compression"] = self._compression_state()
         return state
@@ -525,41 +467,14 @@ class SyncStrategy(
         self.step_counter.load_state_dict(state["steps"])
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
-        saved_outer = state.get("outer")
-        if (saved_outer is None) != (self.outer_config is None):
-            raise ValueError(
-                f"the checkpoint was written {'without' if saved_outer is None else 'with'} an outer optimizer and "
-                f"this run has outer_optimizer={None if self.outer_config is None else self.outer_config.spec()}: "
-                "resume with the outer_optimizer the checkpoint was written with"
-            )
-        if self.outer is not None and saved_outer is not None:
-            self.outer.load_state_dict(saved_outer["optimizer"])
-            self._updates_since_average = int(saved_outer["updates_since_average"])
+        self._load_outer_state(state.get("outer"))
         self._load_compression_state(state.get("compression"))
-
-    # ------------------------------------------------------------------ data
-    def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:
-        """Register a transform applied to the *training* dataloader after Lightning prepared it (SelDP uses
-        this to swap Lightning's DistributedSampler for its own)."""
-        if transform not in self._dataloader_transforms:
-            self._dataloader_transforms.append(transform)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            for transform in self._dataloader_transforms:
-                dataloader = transform(dataloader, self)
-            if self.injector is not None:
-                dataloader = self.injector.rebuild_loader(dataloader, self.world_size)
-        return dataloader
 
     # ------------------------------------------------------------------ failures
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, before Lightning tears down and the process exits: their next
         operation with this rank raises :class:`~lightning_sync.comm.PeerFailure` naming it and its error."""
-        if self._grad_buckets is not None:
-            self._grad_buckets.abandon()  # never wait for buckets in flight on the way out: a peer may be gone
+        self._abandon_grad_buckets()  # never wait for buckets in flight on the way out: a peer may be gone
         if self._comm is not None and self.world_size > 1:
             report_failure(exception)
         super().on_exception(exception)
