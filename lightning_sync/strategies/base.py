@@ -51,6 +51,7 @@ from lightning_sync.strategies.checkpoint import PerRankCheckpointing
 from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
 from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.compressed import CompressedAveraging
+from lightning_sync.strategies.defaults import default_callback
 from lightning_sync.strategies.evaluation import GlobalModelEvaluation
 from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
@@ -256,11 +257,14 @@ class SyncStrategy(
     def _add_sync_stats(self) -> None:
         """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
         before Lightning calls the callbacks' ``setup``, so the callback is set up like one the user passed."""
-        from lightning_sync.callbacks.stats import SyncStats
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.sync_stats and trainer is not None and not any(isinstance(cb, SyncStats) for cb in trainer.callbacks):
-            trainer.callbacks.append(SyncStats())
+        if not self.sync_stats or trainer is None:
+            return
+        stats = default_callback("sync_stats")  # SyncStats, registered by lightning_sync.callbacks.stats
+        if stats is None:
+            raise RuntimeError("sync_stats=True: import lightning_sync.callbacks (`import lightning_sync` does)")
+        if not any(isinstance(cb, stats) for cb in trainer.callbacks):
+            trainer.callbacks.append(stats())
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
