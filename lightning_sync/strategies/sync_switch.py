@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.comm import Communicator
 from lightning_sync.comm.buckets import DEFAULT_BUCKET_CAP_MB, check_bucket_cap_mb
-from lightning_sync.comm.ps import WorkCounter
+from lightning_sync.comm.work import WorkCounter
 from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
 from lightning_sync.strategies.asp import ASPStrategy
