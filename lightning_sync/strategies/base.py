@@ -51,7 +51,7 @@ from lightning_sync.strategies.checkpoint import PerRankCheckpointing
 from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
 from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.compressed import CompressedAveraging
-from lightning_sync.strategies.defaults import default_callback
+from lightning_sync.strategies.defaults import add_default_callback
 from lightning_sync.strategies.evaluation import GlobalModelEvaluation
 from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
@@ -78,8 +78,7 @@ class SyncStrategy(
     SigtermCheck,
     DDPStrategy,
 ):
-    """Base of every lightning_sync strategy. Subclasses implement :meth:`_after_backward` /
-    :meth:`_after_update` with the helpers :meth:`average_state` and :meth:`average_grads`.
+    """Base of every lightning_sync strategy; the guide for method authors follows the arguments.
 
     Args:
         link: emulate a slower network: a :class:`~lightning_sync.comm.LinkModel` or ``"1gbit,1ms"``. Off by
@@ -135,7 +134,8 @@ class SyncStrategy(
 
     Set :attr:`replicas_diverge`, :attr:`carries_sigterm`, :attr:`supports_accumulation` and :attr:`averages_for_eval`
     to match the method; with compression, :meth:`_averages_state` says whether it averages parameters.
-    :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example.
+    :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example (walked through in
+    ``docs/architecture.md``, with the life of one step).
     """
 
     strategy_name: ClassVar[str | None] = None
@@ -258,13 +258,8 @@ class SyncStrategy(
         """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
         before Lightning calls the callbacks' ``setup``, so the callback is set up like one the user passed."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not self.sync_stats or trainer is None:
-            return
-        stats = default_callback("sync_stats")  # SyncStats, registered by lightning_sync.callbacks.stats
-        if stats is None:
-            raise RuntimeError("sync_stats=True: import lightning_sync.callbacks (`import lightning_sync` does)")
-        if not any(isinstance(cb, stats) for cb in trainer.callbacks):
-            trainer.callbacks.append(stats())
+        if self.sync_stats and trainer is not None:
+            add_default_callback(trainer, "sync_stats")  # SyncStats, registered by lightning_sync.callbacks.stats
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)

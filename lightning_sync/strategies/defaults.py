@@ -8,9 +8,10 @@ at import (``import lightning_sync`` imports the callbacks package) and the stra
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["default_callback", "register_default_callback"]
+__all__ = ["add_default_callback", "default_callback", "register_default_callback"]
 
 _DEFAULTS: dict[str, type[Callback]] = {}
 
@@ -23,3 +24,14 @@ def register_default_callback(name: str, factory: type[Callback]) -> None:
 def default_callback(name: str) -> type[Callback] | None:
     """The class registered under ``name``, or ``None`` when its callbacks module was not imported."""
     return _DEFAULTS.get(name)
+
+
+def add_default_callback(trainer: pl.Trainer, name: str) -> None:
+    """Append the callback registered under ``name`` to ``trainer.callbacks`` unless one of its class is there."""
+    factory = default_callback(name)
+    if factory is None:
+        raise RuntimeError(
+            f"no {name!r} callback is registered: import lightning_sync.callbacks (`import lightning_sync` does)"
+        )
+    if not any(isinstance(cb, factory) for cb in trainer.callbacks):
+        trainer.callbacks.append(factory())
