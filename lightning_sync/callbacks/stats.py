@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_sync.core.validation import check_bool, check_optional_int
 from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.defaults import register_default_callback
 
 
 class SyncStats(Callback):
@@ -92,3 +93,6 @@ class SyncStats(Callback):
         if syncs != self._last_syncs:
             self._last_syncs = syncs
             self._log(trainer, pl_module, strategy.sync_event_metrics())
+
+
+register_default_callback("sync_stats", SyncStats)  # what sync_stats=True adds (see SyncStrategy)

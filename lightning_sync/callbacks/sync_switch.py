@@ -19,7 +19,8 @@ from lightning_sync.core.switch import (
     ThroughputWindow,
 )
 from lightning_sync.core.validation import MAX_INT64, check_int, check_real
-from lightning_sync.strategies.sync_switch import SyncSwitchStrategy, register_default_controller
+from lightning_sync.strategies.defaults import register_default_callback
+from lightning_sync.strategies.sync_switch import SyncSwitchStrategy
 
 log = logging.getLogger(__name__)
 
@@ -246,4 +247,4 @@ class SyncSwitch(Callback):
             self._policy_seen = len(self._policy.events)  # those are already in `events`
 
 
-register_default_controller(SyncSwitch)
+register_default_callback("sync_switch", SyncSwitch)  # added when a Sync-Switch run has none (see the strategy)

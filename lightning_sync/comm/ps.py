@@ -11,7 +11,8 @@ Every rank is a worker and serves the shards a :class:`~lightning_sync.core.ps.S
 
 One group per direction, so a worker's sends and a server's replies never queue behind each other; the training
 thread's collectives use the default group. Messages are byte tensors: a 32-byte header (kind, epoch, flag, α as
-float64) and, for parameter payloads, the packed shards. gloo sends complete when the receiver has taken them.
+float64) and, for parameter payloads, the packed shards (the kinds and who answers what:
+:mod:`~lightning_sync.comm.ps_protocol`). gloo sends complete when the receiver has taken them.
 A worker's messages to its own rank's server are applied in-process (nothing is sent). All tensors are CPU
 tensors (gloo), also when training on GPU.
 
@@ -25,10 +26,10 @@ goodbye completes: "closing" at shutdown, "stopping" when its run fails (:meth:`
 fails it as soon as the peer's connection closes (killed). Any thread's error, and a "stopping" goodbye, is
 recorded and raised in the training thread at its next push, flush or wait, as a
 :class:`~lightning_sync.comm.fault.PeerFailure` naming the failed rank when the error says a peer is gone; so is a
-failed send, acknowledgement or work-counter request (whose store lives on rank 0). A rank that stops lets its
-watch threads end before its interpreter shuts down (:func:`~lightning_sync.comm.fault.wait_at_exit`, bounded): a
-daemon thread woken inside a blocking ``torch.distributed`` wait during shutdown aborts the process (SIGABRT,
-measured with 3 ranks).
+failed send, acknowledgement or work-counter request (:mod:`~lightning_sync.comm.work`, whose store lives on rank
+0). A rank that stops lets its watch threads end before its interpreter shuts down
+(:func:`~lightning_sync.comm.fault.wait_at_exit`, bounded): a daemon thread woken inside a blocking
+``torch.distributed`` wait during shutdown aborts the process (SIGABRT, measured with 3 ranks).
 
 **Compression** (``compressor``, :mod:`lightning_sync.comm.compression`): a push's payload is the worker's delta
 in the wire format — int8 with error feedback per server (the residual of each remote server's shards, a stream of
@@ -64,30 +65,28 @@ from lightning_sync.comm.communicator import Communicator
 from lightning_sync.comm.compression import Compressor, decode, encode
 from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure, wait_at_exit
 from lightning_sync.comm.link import LinkModel
+from lightning_sync.comm.ps_protocol import (
+    ACK,
+    BYE_CLOSE,
+    BYE_STOP,
+    CLOSE,
+    DONE,
+    FLUSH,
+    HEADER_BYTES,
+    PARAMS,
+    PUSH,
+    STOP,
+    WATCH_TAG,
+    read_header,
+    write_header,
+)
+from lightning_sync.comm.work import WorkCounter
 from lightning_sync.core.ps import Reply, ShardPlan, ShardServer
 
-HEADER_BYTES = 32
-# worker -> server
-PUSH, FLUSH, DONE, STOP = 1, 2, 3, 4
-# server -> worker
-PARAMS, ACK, CLOSE = 11, 12, 13
+__all__ = ["HEADER_BYTES", "ParameterServer", "WorkCounter", "check_cpu"]
+
 # the threads' receives wait for messages, never for a deadline: they are woken by STOP/CLOSE
 _THREAD_TIMEOUT = timedelta(days=7)
-# tag of the watch threads' receives on the push group (the server's any-source receives use tag 0)
-_WATCH_TAG = 7
-# the goodbyes a watch thread receives
-_BYE_CLOSE, _BYE_STOP = 1, 2
-
-
-def _header(buf: Tensor, kind: int, epoch: int = 0, flag: int = 0, alpha: float | None = None) -> None:
-    buf[:HEADER_BYTES].view(torch.float64).copy_(
-        torch.tensor([kind, epoch, flag, float("nan") if alpha is None else alpha], dtype=torch.float64)
-    )
-
-
-def _read_header(buf: Tensor) -> tuple[int, int, int, float | None]:
-    kind, epoch, flag, alpha = buf[:HEADER_BYTES].view(torch.float64).tolist()
-    return int(kind), int(epoch), int(flag), (None if alpha != alpha else alpha)
 
 
 def check_cpu(tensor: Tensor, what: str) -> None:
@@ -97,80 +96,6 @@ def check_cpu(tensor: Tensor, what: str) -> None:
             f"the parameter server moves CPU tensors over gloo point-to-point; {what} is on {tensor.device}. "
             "Stage it on the CPU first (the strategies do: NCCL has no any-source receive for a server to use)."
         )
-
-
-class WorkCounter:
-    """Dynamic work assignment: one shared counter per epoch in a ``TCPStore`` hosted by rank 0.
-
-    ``claim(epoch)`` returns the next unclaimed batch position of that epoch (``add`` is atomic in the store), so
-    each position goes to exactly one rank and a faster rank claims more. ``exhaust(epoch)`` pushes the counter
-    past any dataset, ending the epoch on every rank at its next claim (used to stop all ranks on SIGTERM).
-    """
-
-    #: a position past any dataset: a claim that returns it (or more) finds the epoch's data consumed
-    EXHAUSTED = 1 << 40
-
-    #: bytes of one ``add`` request in TCPStore's protocol: command byte, 8-byte key length, key, int64 value
-    @staticmethod
-    def request_bytes(key: str) -> int:
-        return 1 + 8 + len(key.encode()) + 8
-
-    def __init__(
-        self, comm: Communicator, host: str, stats: CommStats, timeout: timedelta, prefix: str = "work"
-    ) -> None:
-        self.stats = stats
-        self.prefix = prefix
-        self.rank = comm.rank
-        port = 0
-        master = None
-        if comm.rank == 0:
-            master = dist.TCPStore(host, 0, comm.world_size, True, timeout=timeout, wait_for_workers=False)
-            port = master.port
-        port = comm.broadcast_object(port, src=0, tag="setup")
-        self.store = (
-            master if master is not None else dist.TCPStore(host, port, comm.world_size, False, timeout=timeout)
-        )
-        self.claims: dict[int, int] = {}
-
-    def _key(self, epoch: int, segment: int = 0) -> str:
-        return f"{self.prefix}/{epoch}" if segment == 0 else f"{self.prefix}/{epoch}/{segment}"
-
-    def claim(self, epoch: int, segment: int = 0) -> int:
-        """The next unclaimed position of ``epoch``'s counter (``segment`` > 0: a fresh counter of the same epoch,
-        for a run that starts claiming part-way through an epoch; the caller adds its offset)."""
-        key = self._key(epoch, segment)
-        self.stats.record_launch("work", self.request_bytes(key), blocking=True)
-        start = time.perf_counter()
-        with failures("a work-assignment claim (store on rank 0)"):
-            value = int(self.store.add(key, 1)) - 1
-        self.stats.record_blocked("work", time.perf_counter() - start)
-        self.claims[epoch] = self.claims.get(epoch, 0) + 1
-        return value
-
-    def exhaust(self, epoch: int) -> None:
-        key = self._key(epoch)
-        self.stats.record_launch("work", self.request_bytes(key), blocking=True)
-        with failures("ending the epoch on the work counter (store on rank 0)"):
-            self.store.add(key, self.EXHAUSTED)
-
-    def post(self, name: str, value: str) -> None:
-        """Publish a small control message under ``name`` (read by :meth:`poll` on any rank)."""
-        key = f"{self.prefix}/msg/{name}"
-        self.stats.record_launch("work", self.request_bytes(key) + len(value.encode()), blocking=True)
-        with failures("posting a message on the work counter's store (on rank 0)"):
-            self.store.set(key, value)
-
-    def poll(self, name: str) -> str | None:
-        """The message posted under ``name``, or ``None`` if none was posted yet (never blocks)."""
-        key = f"{self.prefix}/msg/{name}"
-        self.stats.record_launch("work", self.request_bytes(key), blocking=True)
-        with failures("polling the work counter's store (on rank 0)"):
-            if not self.store.check([key]):
-                return None
-            return bytes(self.store.get(key)).decode()
-
-    def close(self) -> None:
-        self.store = None  # type: ignore[assignment]
 
 
 class ParameterServer:
@@ -280,14 +205,14 @@ class ParameterServer:
     def _watch(self, peer: int) -> None:
         """Wait for ``peer``'s goodbye; gloo fails the receive when the peer's connection closes first."""
         buf = torch.zeros(1, dtype=torch.uint8)
-        work = dist.irecv(buf, src=peer, group=self.push_group, tag=_WATCH_TAG)
+        work = dist.irecv(buf, src=peer, group=self.push_group, tag=WATCH_TAG)
         try:
             work.wait()
         except RuntimeError as err:
             if is_comm_failure(err):
                 raise PeerGone(f"the connection to rank {peer} closed or failed: {err}") from err
             raise
-        if int(buf.item()) == _BYE_STOP:
+        if int(buf.item()) == BYE_STOP:
             raise PeerGone(f"rank {peer} stopped: its run failed")
 
     def _delay(self, nbytes: int) -> None:
@@ -306,7 +231,7 @@ class ParameterServer:
             work = dist.irecv(buf, src=None, group=self.push_group)
             work.wait()
             src = work.source_rank()
-            kind, epoch, flag, _ = _read_header(buf)
+            kind, epoch, flag, _ = read_header(buf)
             self._delay(size if kind == PUSH else HEADER_BYTES)
             if kind == PUSH:
                 if self.compressor is not None:
@@ -346,7 +271,7 @@ class ParameterServer:
             if item is None:
                 return
             worker, kind, params, alpha = item
-            _header(buf, kind, alpha=alpha)
+            write_header(buf, kind, alpha=alpha)
             if kind == PARAMS:
                 assert params is not None
                 if self.compressor is None:
@@ -366,7 +291,7 @@ class ParameterServer:
             work = dist.irecv(buf, src=None, group=self.pull_group)
             work.wait()
             src = work.source_rank()
-            kind, _, _, alpha = _read_header(buf)
+            kind, _, _, alpha = read_header(buf)
             if kind == PARAMS:
                 numel = self.plan.numel(src)
                 nbytes = self.payload_bytes(numel)
@@ -427,7 +352,7 @@ class ParameterServer:
         self.pushes += 1
         for s in self.remote_servers:
             buf = self._send_bufs[s]
-            _header(buf, PUSH, epoch, int(want_reply))
+            write_header(buf, PUSH, epoch, int(want_reply))
             if self.compressor is None:
                 self.plan.gather(delta, s, out=buf[HEADER_BYTES:].view(self.dtype))
             else:
@@ -515,7 +440,7 @@ class ParameterServer:
 
     def _control(self, dst: int, kind: int, epoch: int = 0) -> None:
         buf = self._ctrl_bufs[dst]
-        _header(buf, kind, epoch)
+        write_header(buf, kind, epoch)
         self.stats.record_launch("ps_control", HEADER_BYTES, blocking=True)
         with failures(f"a control message to rank {dst}"):
             dist.isend(buf, dst=dst, group=self.push_group).wait(self.timeout)
@@ -580,8 +505,8 @@ class ParameterServer:
         if not self.peers:
             self._outbox.put(None)
         # release every peer's watch thread for this rank (monitoring, not counted in the accounting)
-        bye = torch.full((1,), _BYE_CLOSE, dtype=torch.uint8)
-        sends = [(p, dist.isend(bye, dst=p, group=self.push_group, tag=_WATCH_TAG)) for p in self.peers]
+        bye = torch.full((1,), BYE_CLOSE, dtype=torch.uint8)
+        sends = [(p, dist.isend(bye, dst=p, group=self.push_group, tag=WATCH_TAG)) for p in self.peers]
         for peer, work in sends:
             with failures(f"the goodbye to rank {peer}"):
                 work.wait(self.timeout)
@@ -606,11 +531,11 @@ class ParameterServer:
         if self._closed:
             return
         self._closed = True
-        self._stop_bye = torch.full((1,), _BYE_STOP, dtype=torch.uint8)
+        self._stop_bye = torch.full((1,), BYE_STOP, dtype=torch.uint8)
         self._stop_sends = []  # kept alive with their buffer; completed by the peers' watch threads, never waited
         for peer in self.peers:
             with contextlib.suppress(RuntimeError):  # best effort: that peer's connection may be gone already
-                self._stop_sends.append(dist.isend(self._stop_bye, dst=peer, group=self.push_group, tag=_WATCH_TAG))
+                self._stop_sends.append(dist.isend(self._stop_bye, dst=peer, group=self.push_group, tag=WATCH_TAG))
         for t in self._threads:
             if t.name.startswith("ps-watch-"):
                 wait_at_exit(t)

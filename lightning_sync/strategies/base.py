@@ -1,95 +1,84 @@
-"""``SyncStrategy``: the Lightning glue every method in the pack builds on.
+"""``SyncStrategy``: the Lightning glue every method in the pack builds on, and the method author's surface.
 
-A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication:
+A :class:`~lightning.pytorch.strategies.DDPStrategy` that owns its communication. The module is **not** wrapped in
+``DistributedDataParallel``: its parameters and floating-point buffers become views of persistent flat buffers
+(:class:`~lightning_sync.comm.FlatState`), and rank 0's values are broadcast at setup so every replica starts
+identical. The optimizer closure is wrapped so a method acts **after backward and before the update**
+(:meth:`_after_backward`) and **after the update** (:meth:`_after_update`). Every collective, the method's own and
+Lightning's, goes through one :class:`~lightning_sync.comm.Communicator`: one :class:`~lightning_sync.comm.CommStats`
+per rank counts bytes sent, collectives and seconds blocked, and an optional :class:`~lightning_sync.comm.LinkModel`
+delays each operation as a slower network would. :class:`~lightning_sync.callbacks.SyncStats` is added unless the user
+did (``sync_stats=False`` opts out).
 
-* the module is **not** wrapped in ``DistributedDataParallel``; its parameters and floating-point buffers become
-  views of persistent flat buffers (:class:`~lightning_sync.comm.FlatState`) and rank 0's values are broadcast
-  at setup so every replica starts identical;
-* the optimizer closure is wrapped so a method acts **after backward and before the update**
-  (:meth:`_after_backward`) and **after the update** (:meth:`_after_update`);
-* every collective — the method's own and Lightning's (``reduce``, ``barrier``, ``broadcast``, ``all_gather``)
-  — goes through one :class:`~lightning_sync.comm.Communicator`, so one :class:`~lightning_sync.comm.CommStats`
-  per rank counts bytes sent, collectives and seconds blocked, and an optional
-  :class:`~lightning_sync.comm.LinkModel` delays each operation as a slower network would;
-* per-rank state (counters, accounting, each method's own; each rank's model and optimizer state when replicas
-  can differ) is written beside the checkpoint by every rank and restored to the same trajectory;
-* it is a drop-in for Lightning's ``ddp``: launched the same way (``"<name>"`` re-runs the script for the other ranks,
-  ``"<name>_spawn"`` spawns them and ships rank 0's results back, :mod:`~lightning_sync.strategies.launcher`);
-  validation during fit of a method whose replicas diverge evaluates the global model (the replicas' average,
-  swapped in for validation and each rank's own put back bit-exactly), and checkpoints' main file holds it; and
-  :class:`~lightning_sync.callbacks.SyncStats` is added unless the user did (``sync_stats=False`` opts out).
+This file holds what a method author reads — the constructor, the step and its hooks, :meth:`average_state` /
+:meth:`average_grads`, metrics and state; :class:`SyncStrategy`'s docstring is the guide. The rest is in mixins, one
+concern each: :mod:`~lightning_sync.strategies.launcher` (registered names, launcher, what a spawn launch ships back),
+:mod:`~lightning_sync.strategies.evaluation` (validation and the main checkpoint file see the global model),
+:mod:`~lightning_sync.strategies.checkpoint` (every rank's part beside the checkpoint),
+:mod:`~lightning_sync.strategies.compressed` (the compressed paths of the two averages),
+:mod:`~lightning_sync.strategies.outer` (the outer optimizer of parameter averaging),
+:mod:`~lightning_sync.strategies.overlap` (the gradient all-reduce overlapped with backward),
+:mod:`~lightning_sync.strategies.training_data` (data injection, loader transforms),
+:mod:`~lightning_sync.strategies.collectives` (Lightning's collectives, counted) and
+:mod:`~lightning_sync.strategies.sigterm` (the SIGTERM check, listening to every rank); argument and setup checks
+are in :mod:`~lightning_sync.strategies.checks`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import (
-    CommHandle,
-    CommStats,
-    Communicator,
-    FlatState,
-    LinkModel,
-    destroy_default_group,
-    report_failure,
-)
+from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
 from lightning_sync.comm.buckets import GradBuckets
 from lightning_sync.comm.compression import Compressor, check_compression
 from lightning_sync.core import StepCounter
-from lightning_sync.core.outer import OuterOptimizer, OuterSGD
+from lightning_sync.core.outer import OuterOptimizer
 from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
-from lightning_sync.strategies.checks import (
-    START_METHODS,
-    check_compressible_state,
-    check_ddp_arguments,
-    check_link,
-    check_supported,
-)
+from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
 from lightning_sync.strategies.collectives import CountedCollectives
+from lightning_sync.strategies.compressed import CompressedAveraging
+from lightning_sync.strategies.defaults import add_default_callback
+from lightning_sync.strategies.evaluation import GlobalModelEvaluation
 from lightning_sync.strategies.injection import DataInjector
-from lightning_sync.strategies.launcher import SyncLauncher
+from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
+from lightning_sync.strategies.outer import OuterAveraging
+from lightning_sync.strategies.overlap import OverlappedGrads
 from lightning_sync.strategies.sigterm import SigtermCheck
+from lightning_sync.strategies.training_data import DataLoaderTransform, TrainingData
 
 __all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
-
-log = logging.getLogger(__name__)
 
 #: environment variable that turns ``verify_sync`` on for every strategy (test mode)
 VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 
-DataLoaderTransform = Callable[[Any, "SyncStrategy"], Any]
 
-
-def _refuse_after_spawn(name: str, what: str, *args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError(
-        f"{name}.{what} is not available in the launching process after a spawn launch: the ranks trained in child "
-        "processes, and only rank 0's sync_metrics(), sync_event_metrics(), comm_stats, step_counter and result "
-        "summaries came back. Read those, or launch by re-running the script (strategy='<name>', start_method="
-        "'popen', as Lightning's 'ddp'), where the launching process is rank 0."
-    )
-
-
-class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPStrategy):
-    """Base of every lightning_sync strategy. Subclasses implement :meth:`_after_backward` /
-    :meth:`_after_update` with the helpers :meth:`average_state` and :meth:`average_grads`.
+class SyncStrategy(
+    SyncLaunching,
+    GlobalModelEvaluation,
+    CompressedAveraging,
+    OuterAveraging,
+    OverlappedGrads,
+    TrainingData,
+    PerRankCheckpointing,
+    CountedCollectives,
+    SigtermCheck,
+    DDPStrategy,
+):
+    """Base of every lightning_sync strategy; the guide for method authors follows the arguments.
 
     Args:
         link: emulate a slower network: a :class:`~lightning_sync.comm.LinkModel` or ``"1gbit,1ms"``. Off by
@@ -123,13 +112,30 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             passed on as they are after a type check (a Lightning object of the documented class, or ``None``;
             ``accelerator`` may also be a name such as ``"cpu"``, resolved by the Trainer).
 
-    For method authors: put the math in ``lightning_sync.core`` and keep the subclass to glue. Override
-    :meth:`_after_backward` (gradients ready, before the update) and/or :meth:`_after_update`; call
-    :meth:`average_state` / :meth:`average_grads` (or ``self.comm`` for anything else) and record each step with
-    ``self.step_counter.record(synced)``. Extend :meth:`strategy_state` / :meth:`load_strategy_state` with every
-    piece of per-rank state, :meth:`sync_metrics` with what should be logged every few steps and
-    :meth:`sync_event_metrics` with what should be logged at each sync. Set :attr:`replicas_diverge` and
-    :attr:`carries_sigterm` to match the method. Every collective must be issued in the same order on all ranks.
+    **For method authors.** Put the math in ``lightning_sync.core`` and keep the subclass to glue; every collective
+    must be issued in the same order on all ranks. The hooks that are yours, in the order they run:
+
+    * ``__init__``: check your arguments (``ValueError`` naming the argument and its range), set yours, then
+      ``super().__init__(**kwargs)``. Set :attr:`outer_config` (``core.outer.parse_outer_optimizer``) and an
+      ``average_at_end`` attribute if the method takes them.
+    * :meth:`_check_supported` (``setup``): reject Trainer settings the method cannot honour (call ``super()`` first).
+    * :meth:`_on_flat_ready` (``setup``): the flat state exists and replicas are identical (or restored on resume).
+    * Every optimizer step, in :meth:`optimizer_step`: :meth:`_overlap_grads` (with :attr:`bucket_cap_mb` and no
+      compression: announce a gradient average to overlap with backward), then Lightning's closure (training_step,
+      backward), then :meth:`_after_backward` (gradients ready in the flat buffer, no update yet: call
+      :meth:`average_grads` here), the optimizer's update, then :meth:`_after_update` (call :meth:`average_state`
+      here), then the SIGTERM check unless :attr:`carries_sigterm`. Record each step with
+      ``self.step_counter.record(synced)``; use ``self.comm`` for any other collective.
+    * :meth:`strategy_state` / :meth:`load_strategy_state`: every piece of per-rank state (each rank's checkpoint part
+      holds it; extend with ``super()``).
+    * :meth:`sync_metrics` (logged every few steps) and :meth:`sync_event_metrics` (logged at each sync).
+    * Lightning's hooks (``on_train_start``, ``on_train_end``, ``on_validation_start``, ``teardown``...) may be
+      extended with ``super()``; ``on_train_end`` runs :meth:`_average_at_end` when ``average_at_end`` is set.
+
+    Set :attr:`replicas_diverge`, :attr:`carries_sigterm`, :attr:`supports_accumulation` and :attr:`averages_for_eval`
+    to match the method; with compression, :meth:`_averages_state` says whether it averages parameters.
+    :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example (walked through in
+    ``docs/architecture.md``, with the life of one step).
     """
 
     strategy_name: ClassVar[str | None] = None
@@ -150,15 +156,10 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     bucket_cap_mb: float | None = None
     #: DDP's ``find_unused_parameters`` for the overlapped all-reduce (see :mod:`lightning_sync.comm.buckets`)
     find_unused_parameters: bool = False
-    #: The outer optimizer of parameter averaging (DiLoCo), parsed by the strategies that take an ``outer_optimizer``
-    #: argument (``core.outer.parse_outer_optimizer``); None: plain averaging. See :meth:`average_state`.
-    outer_config: OuterSGD | None = None
     #: Whether validation during fit averages diverged replicas into the module (tag ``"eval"``) and puts each rank's
     #: own back afterwards, and the main checkpoint file holds that average. Only meaningful with
     #: :attr:`replicas_diverge`; the parameter-server strategies set ``False``: they swap in the servers' model.
     averages_for_eval: ClassVar[bool] = True
-    #: Public result attributes a spawn launch copies from rank 0 to the launching process (when the strategy has them).
-    summary_attributes: ClassVar[tuple[str, ...]] = ("server_summary", "switches")
 
     def __init__(
         self,
@@ -229,44 +230,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self._main_state_dict: dict[str, Any] | None = None  # what the main checkpoint file holds during a save
         self._adopted: dict[str, Any] | None = None  # rank 0's launch summary, in the launching process after spawn
 
-    # ------------------------------------------------------------------ registry
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``strategy_name`` (launched as Lightning's ``ddp``: the script re-run per rank),
-        ``<strategy_name>_spawn`` (as ``ddp_spawn``: pytest, scripts that cannot be re-run) and
-        ``<strategy_name>_notebook`` (as ``ddp_notebook``: fork, the one start method Lightning allows in notebooks)."""
-        if not cls.strategy_name:
-            return
-        description = cls.strategy_description or cls.__doc__ or ""
-        entries = (
-            (cls.strategy_name, "popen"),
-            (f"{cls.strategy_name}_spawn", "spawn"),
-            (f"{cls.strategy_name}_notebook", "fork"),
-        )
-        for name, start_method in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"{description} (start_method={start_method!r})", start_method=start_method
-                )
-
-    def _configure_launcher(self) -> None:
-        """As Lightning's ``DDPStrategy``: ``"popen"`` re-runs the script for every other rank, ``"spawn"``/``"fork"``
-        start child processes (with :class:`~lightning_sync.strategies.launcher.SyncLauncher`, which ships rank 0's
-        results back). Under torchrun, SLURM or any launcher that starts the processes itself (``LOCAL_RANK`` set),
-        launch nothing whatever ``start_method`` says; Lightning's ``DDPStrategy`` would spawn again inside each
-        process. So ``strategy="selsync"`` goes multi-node by configuration alone."""
-        assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally or self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = SyncLauncher(self, start_method=self._start_method)
-
     # ------------------------------------------------------------------ accessors
     @property
     def comm(self) -> Communicator:
         if self._comm is None:
             if self._adopted is not None:
-                _refuse_after_spawn(type(self).__name__, "comm")
+                refuse_after_spawn(type(self).__name__, "comm")
             raise RuntimeError(f"{type(self).__name__} has no communicator before setup_environment()")
         return self._comm
 
@@ -274,7 +243,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def flat(self) -> FlatState:
         if self._flat is None:
             if self._adopted is not None:
-                _refuse_after_spawn(type(self).__name__, "flat")
+                refuse_after_spawn(type(self).__name__, "flat")
             raise RuntimeError(f"{type(self).__name__} has no flat state before setup() while fitting")
         return self._flat
 
@@ -288,11 +257,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def _add_sync_stats(self) -> None:
         """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
         before Lightning calls the callbacks' ``setup``, so the callback is set up like one the user passed."""
-        from lightning_sync.callbacks.stats import SyncStats
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.sync_stats and trainer is not None and not any(isinstance(cb, SyncStats) for cb in trainer.callbacks):
-            trainer.callbacks.append(SyncStats())
+        if self.sync_stats and trainer is not None:
+            add_default_callback(trainer, "sync_stats")  # SyncStats, registered by lightning_sync.callbacks.stats
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
@@ -307,18 +274,12 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
         assert self.model is not None
         self._flat = FlatState(self.model)
-        if self._grad_buckets is not None:  # a previous setup's hooks
-            self._grad_buckets.remove()
-            self._grad_buckets = None
-        if self.bucket_cap_mb is not None:
-            names = {i: name for i, (name, _) in enumerate(self.model.named_parameters())}
-            self._grad_buckets = GradBuckets(self._flat, self.bucket_cap_mb, names, self.find_unused_parameters)
+        self._setup_grad_buckets()
         if not (self._restored_state is not None and self._restored_per_rank):
             # start identical; a resume of per-rank replicas keeps each rank's own (loaded before setup)
             for tensor in self._flat.state_tensors():
                 self.comm.broadcast(tensor, src=0, tag="setup")
-        if self.outer_config is not None:  # the global parameters start as the (identical) replicas; or restored
-            self.outer = OuterOptimizer(self.outer_config, [g.state[: g.param_numel] for g in self._flat.groups])
+        self._setup_outer()
         self._setup_compression()
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
@@ -328,26 +289,7 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def _on_flat_ready(self) -> None:
         """Subclass hook: the flat state exists and replicas are identical (or restored)."""
 
-    def _averages_state(self) -> bool:
-        """Whether this method averages parameters (:meth:`average_state`): with compression it then keeps the
-        reference copy of the last average. Methods whose replicas never diverge (gradient averaging) do not."""
-        return self.replicas_diverge
-
-    def _setup_compression(self) -> None:
-        """At setup, with the replicas identical: refuse tensors the compression cannot apply to, and take the
-        reference of compressed parameter averaging (a resume overwrites it with the checkpoint's)."""
-        if self.compression is None:
-            return
-        check_compressible_state(self.compression, self.flat, type(self).__name__)
-        if self._averages_state() and self.world_size > 1:
-            self._reference = [t.detach().clone() for t in self.flat.state_tensors()]
-
     # ------------------------------------------------------------------ the step
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.injector is not None and args:
-            args = (self.injector.inject(args[0], self.comm, self._comm_device()), *args[1:])
-        return super().training_step(*args, **kwargs)
-
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)
         if self._flat is not None:
@@ -367,16 +309,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 self._last_loss = result
                 self._after_backward(optimizer)
             except BaseException:
-                if self._grad_buckets is not None:
-                    self._grad_buckets.abandon()
+                self._abandon_grad_buckets()
                 raise
-            buckets = self._grad_buckets
-            if buckets is not None and buckets.armed:
-                buckets.finish(self.comm)  # nothing left in flight, then say whose contract was broken
-                raise RuntimeError(
-                    f"{type(self).__name__}._overlap_grads() announced a gradient average for this step, but "
-                    "_after_backward did not call average_grads with that communicator and tag"
-                )
+            self._check_grad_buckets_finished()
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -392,6 +327,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Gradients of this step are ready (flat, bound); the optimizer has not updated yet."""
 
+    def _after_update(self, optimizer: Optimizer) -> None:
+        """The optimizer has applied this step's update."""
+
     def _overlap_grads(self) -> tuple[Communicator, str] | None:
         """Before the backward of a step that will update the model: ``(communicator, tag)`` if this step's
         :meth:`_after_backward` will call ``average_grads(tag=tag, comm=communicator)`` — known before backward —
@@ -399,22 +337,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         (:mod:`lightning_sync.comm.buckets`); ``None`` (default) when it will not, or cannot be known yet (then
         :meth:`average_grads` is one all-reduce after backward). Only used when :attr:`bucket_cap_mb` is set."""
         return None
-
-    def _arm_grad_buckets(self) -> None:
-        buckets = self._grad_buckets
-        if buckets is None or self.compressor is not None:
-            # compressed gradient averaging is one compressed all-reduce per flat buffer after backward (buffers
-            # exact, beside it): the buckets' overlap is not combined with compression
-            return
-        plan = self._overlap_grads()
-        if plan is None:
-            return
-        comm, tag = plan
-
-        def launch(tensor: Tensor) -> CommHandle:
-            return comm.all_reduce(tensor, op="avg", tag=tag, async_op=True)
-
-        buckets.arm(launch, key=(comm, tag))
 
     # ------------------------------------------------------------------ train start and end
     def on_train_start(self) -> None:
@@ -432,101 +354,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         if getattr(self, "average_at_end", False) and self._flat is not None:
             self._average_at_end()
         super().on_train_end()
-
-    def _average_at_end(self) -> None:
-        r"""``average_at_end``: hand back the global model, not rank 0's replica. Without an outer optimizer, the
-        average of the replicas (w = W 1/n). With one, the outer step on the inner steps since the last one — the
-        global model DiLoCo would hold after one more sync; none when the last step synced (the replicas then hold
-        :math:`\theta_{global}`, and a step on a zero pseudo-gradient would still move it by the momentum)."""
-        if self.outer is None:
-            if self.world_size > 1:
-                self.average_state(tag="final")
-        elif self._updates_since_average > 0:
-            self.average_state(tag="final")
-
-    # ------------------------------------------------------------------ evaluating the global model
-    def _evaluates_average(self) -> bool:
-        """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
-        average instead of each rank's own."""
-        return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.world_size > 1
-
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._evaluates_average():
-            # every rank validates the global model w = W 1/n, so metrics, EarlyStopping and ModelCheckpoint decide
-            # on one value; each rank's own replica waits in a scratch copy and is put back bit-exactly afterwards
-            self._eval_replica = self._swap_in_average("eval")
-
-    def on_validation_end(self) -> None:
-        # after the callbacks' on_validation_end (ModelCheckpoint saves there, with the average swapped in)
-        if self._eval_replica is not None:
-            self._put_back(self._eval_replica)
-            self._eval_replica = None
-        super().on_validation_end()
-
-    def _swap_in_average(self, tag: str) -> list[Tensor]:
-        """Average parameters and buffers into the module (one exact all-reduce per flat buffer, counted under
-        ``tag``); return this rank's values from before, for :meth:`_put_back`.
-
-        This is an observation, not a sync: it changes no method state — no outer-optimizer step (with DiLoCo's
-        outer optimizer, validation sees the replicas' plain mean, not the next outer step), no compression
-        reference or error feedback (the mean is exact, in the data's dtype)."""
-        tensors = self.flat.state_tensors()
-        replica = [t.detach().clone() for t in tensors]
-        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
-        return replica
-
-    def _put_back(self, replica: list[Tensor]) -> None:
-        for tensor, saved in zip(self.flat.state_tensors(), replica):
-            tensor.copy_(saved)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Each rank's part holds its own replica; the main file the global model (see :meth:`_main_file_checkpoint`).
-        A save while validation has the average swapped in (``ModelCheckpoint`` saves in ``on_validation_end``) has
-        that average in ``checkpoint``: the main file keeps it — the model whose score was just monitored — and the
-        parts are written with each rank's replica put back for the moment."""
-        if self._eval_replica is None or self._comm is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self._main_state_dict = {k: v.detach().clone() for k, v in checkpoint["state_dict"].items()}
-        average = [t.detach().clone() for t in self.flat.state_tensors()]
-        self._put_back(self._eval_replica)
-        try:
-            own = {**checkpoint, "state_dict": self.lightning_module_state_dict()}
-            super().save_checkpoint(own, filepath, storage_options=storage_options)
-        finally:
-            self._put_back(average)
-            self._main_state_dict = None
-
-    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """The main file holds the global model (the replicas' average; during validation, the one validated), so
-        ``trainer.test(ckpt_path="best")`` and any consumer of the file get the same model on every rank. Outside
-        validation the average costs one all-reduce, tagged ``"checkpoint"`` (bookkeeping, not training traffic)."""
-        if self._main_state_dict is not None:
-            return {**checkpoint, "state_dict": self._main_state_dict}
-        if not self._evaluates_average():
-            return checkpoint
-        replica = self._swap_in_average("checkpoint")
-        try:
-            average = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
-        finally:
-            self._put_back(replica)
-        return {**checkpoint, "state_dict": average}
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the file rank 0 wrote: ranks whose step counts differ (the asynchronous methods) name
-        the same checkpoint differently (``ModelCheckpoint``'s ``{step}``), so ``ckpt_path="best"`` resolves to rank
-        0's name on every rank (one broadcast). Validate/test/predict from a checkpoint evaluate the global model in
-        the main file on every rank; a resumed fit restores each rank's own part."""
-        if self._comm is not None and self.world_size > 1:
-            checkpoint_path = self.comm.broadcast_object(checkpoint_path, src=0, tag="checkpoint")
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn != TrainerFn.FITTING and self.replicas_diverge:
-            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    def _after_update(self, optimizer: Optimizer) -> None:
-        """The optimizer has applied this step's update."""
 
     # ------------------------------------------------------------------ sync helpers
     def average_state(
@@ -560,47 +387,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
                 t.div_(len(participants))
         if on_mean is not None:
             on_mean()
-        if self.outer is not None:
-            for index, g in enumerate(self.flat.groups):
-                if g.param_numel:
-                    self.outer.step(g.state[: g.param_numel], index)
-            self._updates_since_average = 0
-            if self._reference is not None:  # compressed: the next changes are taken from what every rank now holds
-                for ref, t in zip(self._reference, tensors):
-                    ref.copy_(t)
+        self._outer_step(tensors)
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
-
-    def _average_state_compressed(self, tensors: list[Tensor], tag: str, participants: list[int] | None) -> None:
-        """Compressed :meth:`average_state`: every rank sends its change since the last average,
-        ``x_i − ref`` (so a cast or int8 rounds the update, not the parameters), the compressed all-reduce averages
-        the changes in fp32 and every rank takes ``ref + mean``, which becomes the new reference. The mean of the
-        replicas is ``ref + mean(x_i − ref)`` exactly for any reference the ranks share; the result is bit-identical
-        on every rank. int8 keeps one error-feedback stream per flat buffer (``state/<i>``)."""
-        assert self.compressor is not None
-        if participants is not None and not participants:
-            raise ValueError("participants must name at least one rank")
-        if self._reference is None:
-            raise RuntimeError(
-                f"{type(self).__name__} averaged parameters with compression but took no reference at setup: "
-                "override _averages_state() to return True"
-            )
-        subset = participants is not None and len(participants) != self.world_size
-        contribute = not subset or self.global_rank in (participants or [])
-        for i, (t, ref) in enumerate(zip(tensors, self._reference)):
-            t.sub_(ref)
-            feedback = self.compressor.feedback(f"state/{i}", t.numel(), t.dtype, t.device)
-            self.comm.all_reduce_compressed(
-                t,
-                self.compressor,
-                op="sum" if subset else "avg",
-                tag=tag,
-                feedback=feedback,
-                divisor=float(len(participants)) if subset and participants else None,
-                contribute=contribute,
-            )
-            t.add_(ref)
-            ref.copy_(t)
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
@@ -614,18 +403,11 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """
         comm = comm if comm is not None else self.comm
         flat = self.flat
-        buckets = self._grad_buckets
-        if buckets is not None and buckets.armed:
-            # launched bucket by bucket during backward (see _overlap_grads): launch the rest, wait for all
-            if buckets.key != (comm, tag):
-                raise RuntimeError(
-                    f"average_grads(tag={tag!r}) over another communicator or tag than {type(self).__name__}."
-                    f"_overlap_grads() announced for this step ({buckets.key[1]!r})"
-                )
-            tensors = buckets.finish(comm)
-        elif self.compressor is not None:
+        # launched bucket by bucket during backward if _overlap_grads announced this call: launch the rest, wait
+        tensors = self._finish_grad_buckets(comm, tag)
+        if tensors is None and self.compressor is not None:
             tensors = self._average_grads_compressed(comm, tag)
-        else:
+        elif tensors is None:
             flat.stage_buffers()
             tensors = flat.grad_tensors()
             comm.all_reduce_many(tensors, op="avg", tag=tag)
@@ -634,21 +416,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
             self._verify(tensors, "gradients and buffers", comm)
             if verify_update:
                 self._verify_after_update = comm
-
-    def _average_grads_compressed(self, comm: Communicator, tag: str) -> list[Tensor]:
-        """Compressed :meth:`average_grads`: each flat gradient buffer through a compressed all-reduce (int8 with the
-        error-feedback stream ``grads/<i>``); the floating buffers (BatchNorm statistics: state, not increments, and
-        small) in one exact all-reduce of their own. Returns what the sync made identical."""
-        assert self.compressor is not None
-        flat = self.flat
-        grads = flat.grad_tensors(with_buffers=False)
-        for i, t in enumerate(grads):
-            feedback = self.compressor.feedback(f"grads/{i}", t.numel(), t.dtype, t.device)
-            comm.all_reduce_compressed(t, self.compressor, op="avg", tag=tag, feedback=feedback)
-        buffers = [g.buffers for g in flat.groups if g.buffer_numel]
-        if buffers:
-            comm.all_reduce_many(buffers, op="avg", tag=tag)
-        return grads + buffers
 
     def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
         comm = comm if comm is not None else self.comm
@@ -681,41 +448,6 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         """Method-specific values :class:`~lightning_sync.callbacks.SyncStats` logs at every step that synced."""
         return {}
 
-    # ------------------------------------------------------------------ results after a spawn launch
-    def launch_summary(self) -> dict[str, Any]:
-        """What a spawn launch ships from rank 0 to the launching process
-        (:class:`~lightning_sync.strategies.launcher.SyncLauncher`): :meth:`sync_metrics`, :meth:`sync_event_metrics`,
-        the communication totals, the step counter and the :attr:`summary_attributes` this strategy has."""
-        return {
-            "metrics": self.sync_metrics(),
-            "event_metrics": self.sync_event_metrics(),
-            "comm": self.comm_stats.state_dict(),
-            "steps": self.step_counter.state_dict(),
-            "attributes": {n: getattr(self, n) for n in self.summary_attributes if hasattr(self, n)},
-        }
-
-    def adopt_launch_summary(self, summary: dict[str, Any]) -> None:
-        """In the launching process after a spawn launch: take rank 0's :meth:`launch_summary`. ``sync_metrics()``
-        and ``sync_event_metrics()`` then return rank 0's values (subclasses compute theirs from state this process
-        never had, so the answers are pinned on the instance); ``comm``, ``flat`` and :meth:`strategy_state` raise."""
-        self.comm_stats.load_state_dict(summary["comm"])
-        self.step_counter.load_state_dict(summary["steps"])
-        for name, value in summary["attributes"].items():
-            setattr(self, name, value)
-        self._adopted = summary
-        self.__dict__.update(  # instance attributes shadow the (subclasses') methods
-            sync_metrics=partial(dict, summary["metrics"]),
-            sync_event_metrics=partial(dict, summary["event_metrics"]),
-            strategy_state=partial(_refuse_after_spawn, type(self).__name__, "strategy_state()"),
-        )
-
-    def _forget_launch_summary(self) -> None:
-        """A new launch of this strategy object trains or evaluates for itself again."""
-        if self._adopted is not None:
-            for name in ("sync_metrics", "sync_event_metrics", "strategy_state"):
-                self.__dict__.pop(name, None)
-            self._adopted = None
-
     # ------------------------------------------------------------------ state
     def strategy_state(self) -> dict[str, Any]:
         """This rank's state; subclasses extend the dict (``state = super().strategy_state(); state[...] = ...``)."""
@@ -723,15 +455,9 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         if self.injector is not None:
             state["injector"] = self.injector.state_dict()
         if self.outer is not None:
-            state["outer"] = {
-                "optimizer": self.outer.state_dict(),
-                "updates_since_average": self._updates_since_average,
-            }
+            state["outer"] = self._outer_state()
         if self.compressor is not None:
-            state["compression"] = {
-                "residuals": self.compressor.state_dict(),
-                "reference": None if self._reference is None else [r.detach().cpu().clone() for r in self._reference],
-            }
+            state["compression"] = self._compression_state()
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -740,54 +466,14 @@ class SyncStrategy(PerRankCheckpointing, CountedCollectives, SigtermCheck, DDPSt
         self.step_counter.load_state_dict(state["steps"])
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
-        saved_outer = state.get("outer")
-        if (saved_outer is None) != (self.outer_config is None):
-            raise ValueError(
-                f"the checkpoint was written {'without' if saved_outer is None else 'with'} an outer optimizer and "
-                f"this run has outer_optimizer={None if self.outer_config is None else self.outer_config.spec()}: "
-                "resume with the outer_optimizer the checkpoint was written with"
-            )
-        if self.outer is not None and saved_outer is not None:
-            self.outer.load_state_dict(saved_outer["optimizer"])
-            self._updates_since_average = int(saved_outer["updates_since_average"])
+        self._load_outer_state(state.get("outer"))
         self._load_compression_state(state.get("compression"))
-
-    def _load_compression_state(self, saved: dict[str, Any] | None) -> None:
-        if (saved is None) != (self.compressor is None):
-            raise ValueError(
-                f"the checkpoint was written with compression {'off' if saved is None else 'on'}; this run has "
-                f"compression={self.compression!r}. Resume with the compression the checkpoint was written with."
-            )
-        if saved is None or self.compressor is None:
-            return
-        self.compressor.load_state_dict(saved["residuals"])
-        if saved.get("reference") is not None and self._reference is not None:
-            for ref, value in zip(self._reference, saved["reference"]):
-                ref.copy_(value)
-
-    # ------------------------------------------------------------------ data
-    def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:
-        """Register a transform applied to the *training* dataloader after Lightning prepared it (SelDP uses
-        this to swap Lightning's DistributedSampler for its own)."""
-        if transform not in self._dataloader_transforms:
-            self._dataloader_transforms.append(transform)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            for transform in self._dataloader_transforms:
-                dataloader = transform(dataloader, self)
-            if self.injector is not None:
-                dataloader = self.injector.rebuild_loader(dataloader, self.world_size)
-        return dataloader
 
     # ------------------------------------------------------------------ failures
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, before Lightning tears down and the process exits: their next
         operation with this rank raises :class:`~lightning_sync.comm.PeerFailure` naming it and its error."""
-        if self._grad_buckets is not None:
-            self._grad_buckets.abandon()  # never wait for buckets in flight on the way out: a peer may be gone
+        self._abandon_grad_buckets()  # never wait for buckets in flight on the way out: a peer may be gone
         if self._comm is not None and self.world_size > 1:
             report_failure(exception)
         super().on_exception(exception)

@@ -22,7 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm.ps import ParameterServer, WorkCounter
+from lightning_sync.comm.ps import ParameterServer
+from lightning_sync.comm.work import WorkCounter
 from lightning_sync.core.ps import ShardPlan, ShardServer
 from lightning_sync.core.validation import check_int
 from lightning_sync.data.dynamic import dynamic_loader

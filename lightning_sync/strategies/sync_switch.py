@@ -45,28 +45,18 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_sync.comm import Communicator
 from lightning_sync.comm.buckets import DEFAULT_BUCKET_CAP_MB, check_bucket_cap_mb
-from lightning_sync.comm.ps import WorkCounter
+from lightning_sync.comm.work import WorkCounter
 from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
 from lightning_sync.strategies.asp import ASPStrategy
+from lightning_sync.strategies.defaults import default_callback
 from lightning_sync.strategies.ps import ParameterServerStrategy
-
-#: The callback class that decides when to switch, added with its defaults when the user passes none. The callbacks
-#: layer registers it (``lightning_sync.callbacks.sync_switch`` calls :func:`register_default_controller` at import),
-#: so arrows run callbacks -> strategies only.
-_DEFAULT_CONTROLLER: dict[str, type[Callback]] = {}
-
-
-def register_default_controller(factory: type[Callback]) -> None:
-    """Make ``factory()`` the controller callback added when a Sync-Switch run has none of that class."""
-    _DEFAULT_CONTROLLER["factory"] = factory
 
 
 class SyncSwitchStrategy(ASPStrategy):
@@ -152,7 +142,9 @@ class SyncSwitchStrategy(ASPStrategy):
                 f"SyncSwitchStrategy needs max_epochs (got {trainer.max_epochs!r}): the switch points are fractions "
                 "of the training workload, max_epochs passes over the data. Set Trainer(max_epochs=N)."
             )
-        controller = _DEFAULT_CONTROLLER.get("factory")
+        # the callback that decides when to switch, added with its defaults when the user passes none; registered by
+        # lightning_sync.callbacks.sync_switch (arrows run callbacks -> strategies only, see strategies/defaults.py)
+        controller = default_callback("sync_switch")
         if controller is None:
             raise ValueError(
                 "SyncSwitchStrategy needs a controller callback saying when to switch, and none is registered: "

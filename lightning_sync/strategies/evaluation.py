@@ -1,0 +1,110 @@
+"""Validation and checkpoints of the global model when replicas diverge.
+
+Methods with local steps (local SGD, FedAvg, ADPSGD, SelSync, DiLoCo) hold a different replica on every rank.
+Validation during fit then evaluates the global model — the replicas' average w = W 1/n, swapped into the module with
+one exact all-reduce (tag ``"eval"``) and each rank's own replica put back bit-exactly afterwards — so metrics,
+``EarlyStopping`` and ``ModelCheckpoint`` decide on one value on every rank. The main checkpoint file holds the same
+global model (each rank's own replica goes to its part, :mod:`~lightning_sync.strategies.checkpoint`), and
+validate/test/predict from a checkpoint load it on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+
+
+class GlobalModelEvaluation:
+    """Mixin of :class:`~lightning_sync.strategies.SyncStrategy`, ahead of
+    :class:`~lightning_sync.strategies.checkpoint.PerRankCheckpointing` in the MRO: its ``save_checkpoint``,
+    ``_main_file_checkpoint`` and ``load_checkpoint`` wrap the per-rank ones.
+
+    Uses from the strategy: ``replicas_diverge`` and ``averages_for_eval`` (whether to average at all; the
+    parameter-server strategies swap in the servers' model instead), ``flat`` and ``comm`` (the all-reduce).
+    """
+
+    _eval_replica: list[Tensor] | None  # this rank's replica while the global model is swapped in
+    _main_state_dict: dict[str, Any] | None  # what the main checkpoint file holds during a save
+
+    def _evaluates_average(self) -> bool:
+        """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
+        average instead of each rank's own."""
+        return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.world_size > 1
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._evaluates_average():
+            # every rank validates the global model w = W 1/n, so metrics, EarlyStopping and ModelCheckpoint decide
+            # on one value; each rank's own replica waits in a scratch copy and is put back bit-exactly afterwards
+            self._eval_replica = self._swap_in_average("eval")
+
+    def on_validation_end(self) -> None:
+        # after the callbacks' on_validation_end (ModelCheckpoint saves there, with the average swapped in)
+        if self._eval_replica is not None:
+            self._put_back(self._eval_replica)
+            self._eval_replica = None
+        super().on_validation_end()
+
+    def _swap_in_average(self, tag: str) -> list[Tensor]:
+        """Average parameters and buffers into the module (one exact all-reduce per flat buffer, counted under
+        ``tag``); return this rank's values from before, for :meth:`_put_back`.
+
+        This is an observation, not a sync: it changes no method state — no outer-optimizer step (with DiLoCo's
+        outer optimizer, validation sees the replicas' plain mean, not the next outer step), no compression
+        reference or error feedback (the mean is exact, in the data's dtype)."""
+        tensors = self.flat.state_tensors()
+        replica = [t.detach().clone() for t in tensors]
+        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        return replica
+
+    def _put_back(self, replica: list[Tensor]) -> None:
+        for tensor, saved in zip(self.flat.state_tensors(), replica):
+            tensor.copy_(saved)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Each rank's part holds its own replica; the main file the global model (see :meth:`_main_file_checkpoint`).
+        A save while validation has the average swapped in (``ModelCheckpoint`` saves in ``on_validation_end``) has
+        that average in ``checkpoint``: the main file keeps it — the model whose score was just monitored — and the
+        parts are written with each rank's replica put back for the moment."""
+        if self._eval_replica is None or self._comm is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._main_state_dict = {k: v.detach().clone() for k, v in checkpoint["state_dict"].items()}
+        average = [t.detach().clone() for t in self.flat.state_tensors()]
+        self._put_back(self._eval_replica)
+        try:
+            own = {**checkpoint, "state_dict": self.lightning_module_state_dict()}
+            super().save_checkpoint(own, filepath, storage_options=storage_options)
+        finally:
+            self._put_back(average)
+            self._main_state_dict = None
+
+    def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The main file holds the global model (the replicas' average; during validation, the one validated), so
+        ``trainer.test(ckpt_path="best")`` and any consumer of the file get the same model on every rank. Outside
+        validation the average costs one all-reduce, tagged ``"checkpoint"`` (bookkeeping, not training traffic)."""
+        if self._main_state_dict is not None:
+            return {**checkpoint, "state_dict": self._main_state_dict}
+        if not self._evaluates_average():
+            return checkpoint
+        replica = self._swap_in_average("checkpoint")
+        try:
+            average = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
+        finally:
+            self._put_back(replica)
+        return {**checkpoint, "state_dict": average}
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Every rank reads the file rank 0 wrote: ranks whose step counts differ (the asynchronous methods) name
+        the same checkpoint differently (``ModelCheckpoint``'s ``{step}``), so ``ckpt_path="best"`` resolves to rank
+        0's name on every rank (one broadcast). Validate/test/predict from a checkpoint evaluate the global model in
+        the main file on every rank; a resumed fit restores each rank's own part."""
+        if self._comm is not None and self.world_size > 1:
+            checkpoint_path = self.comm.broadcast_object(checkpoint_path, src=0, tag="checkpoint")
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING and self.replicas_diverge:
+            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
