@@ -45,7 +45,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 #: every strategy name of the pack, in the order of the README (Lightning's ``ddp`` is the reference)
-STRATEGIES = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "asp", "ssp", "aladdin", "sync_switch")
+STRATEGIES = (
+    "bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco", "asp", "ssp", "aladdin", "sync_switch"
+)  # fmt: skip
 EPOCHS = 6
 
 

@@ -170,6 +170,12 @@ def suite(tmp_path_factory):
     return run_suite(_suite, WORLD, tmp_path_factory.mktemp("dropin"))
 
 
+def test_the_script_is_run_with_every_strategy_of_the_pack():
+    from lightning_sync.strategies import STRATEGIES
+
+    assert sorted(dropin.STRATEGIES) == sorted(cls.strategy_name for cls in STRATEGIES)
+
+
 @pytest.mark.parametrize("name", dropin.STRATEGIES)
 def test_trains_or_is_refused_at_setup_with_the_reason(suite, name):
     for r in suite:
@@ -182,7 +188,22 @@ def test_trains_or_is_refused_at_setup_with_the_reason(suite, name):
         assert res["global_step"] > 0
 
 
-@pytest.mark.parametrize("name", dropin.STRATEGIES)
+#: Known to miss (issue 19 is open for it): DiLoCo at its defaults (H=16, the paper's outer Nesterov SGD lr 0.7,
+#: momentum 0.9) over this script's SGD with Nesterov momentum and per-step OneCycleLR ends near 0.45 validation
+#: accuracy against ddp's 0.955 (measured 2026-11-23). Strict: the test fails once DiLoCo's defaults are fixed, so the
+#: mark is removed then.
+_KNOWN_MISSES = {
+    "diloco": "DiLoCo's default outer optimizer does not train this script within 3 points of ddp (issue 19, open)"
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_KNOWN_MISSES[n])) if n in _KNOWN_MISSES else n
+        for n in dropin.STRATEGIES
+    ],
+)
 def test_validation_accuracy_at_defaults_within_three_points_of_ddp(suite, name):
     ddp = suite[0]["ddp"]
     for r in suite:
