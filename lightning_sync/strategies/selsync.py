@@ -78,8 +78,8 @@ class SelSyncStrategy(SyncStrategy):
             such as ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): each sync's mean
             of the replicas gives the pseudo-gradient, the outer optimizer steps the global parameters and every rank
             takes them (see :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`).
-        sync_fraction: with ``delta="auto"``, the target fraction of synchronised steps, in (0, 1] (LSSR ≈
-            1/f − 1); ``None`` = 0.25. Must be ``None`` with a fixed ``delta``.
+        sync_fraction: with ``delta="auto"``, the target fraction of synchronised steps, in (0, 1] (LSSR, the
+            fraction of local steps, ≈ 1 − f); ``None`` = 0.25. Must be ``None`` with a fixed ``delta``.
         average_at_end: average the replicas once more when training ends (a bool).
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
     """
