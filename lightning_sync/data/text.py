@@ -54,7 +54,48 @@ class CharWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class PythonTextDataModule(pl.LightningDataModule):
+class TokenWindowsDataModule(pl.LightningDataModule):
+    """What the text and words data modules share: a contiguous train/val/test split of one token-id sequence (the
+    last ``val_fraction`` and ``test_fraction`` of it) and next-token windows of ``seq_len`` over each split —
+    shuffled and resumable for training, in order for evaluation. Subclasses set ``seq_len``, ``batch_size``,
+    ``num_workers``, ``val_fraction``, ``test_fraction`` and call :meth:`_split` from ``setup``."""
+
+    seq_len: int
+    batch_size: int
+    num_workers: int
+    val_fraction: float
+    test_fraction: float
+    splits: dict[str, Tensor]
+
+    def _split(self, ids: Tensor) -> None:
+        n_test = int(len(ids) * self.test_fraction)
+        n_val = int(len(ids) * self.val_fraction)
+        n_train = len(ids) - n_val - n_test
+        self.splits = {
+            "train": ids[:n_train],
+            "val": ids[n_train : n_train + n_val],
+            "test": ids[n_train + n_val :],
+        }
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        self.setup()
+        return ResumableDataLoader(
+            CharWindows(self.splits["train"], self.seq_len),
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        return ordered_loader(CharWindows(self.splits["val"], self.seq_len), self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        self.setup()
+        return ordered_loader(CharWindows(self.splits["test"], self.seq_len), self.batch_size)
+
+
+class PythonTextDataModule(TokenWindowsDataModule):
     """Character-level language modelling on :func:`python_help_text`.
 
     The text is split into contiguous train / validation / test parts (the last ``val_fraction`` and
@@ -96,28 +137,4 @@ class PythonTextDataModule(pl.LightningDataModule):
         if self.max_chars is not None:
             text = text[: self.max_chars]
         ids = self.vocab.encode(text)
-        n_test = int(len(ids) * self.test_fraction)
-        n_val = int(len(ids) * self.val_fraction)
-        n_train = len(ids) - n_val - n_test
-        self.splits = {
-            "train": ids[:n_train],
-            "val": ids[n_train : n_train + n_val],
-            "test": ids[n_train + n_val :],
-        }
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        self.setup()
-        return ResumableDataLoader(
-            CharWindows(self.splits["train"], self.seq_len),
-            batch_size=self.batch_size,
-            shuffle=True,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
-        return ordered_loader(CharWindows(self.splits["val"], self.seq_len), self.batch_size)
-
-    def test_dataloader(self) -> DataLoader:
-        self.setup()
-        return ordered_loader(CharWindows(self.splits["test"], self.seq_len), self.batch_size)
+        self._split(ids)

@@ -6,13 +6,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import lightning.pytorch as pl
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from ..core.validation import check_int, check_real
-from .loader import ResumableDataLoader, ordered_loader
-from .text import CharWindows, python_help_text
+from .text import TokenWindowsDataModule, python_help_text
 
 __all__ = ["PythonWordsDataModule", "WordVocab", "tokenize_words"]
 
@@ -49,7 +46,7 @@ class WordVocab:
         return " ".join(self.words[int(i)] for i in ids)
 
 
-class PythonWordsDataModule(pl.LightningDataModule):
+class PythonWordsDataModule(TokenWindowsDataModule):
     """Word-level language modelling on :func:`~lightning_sync.data.text.python_help_text` (about 114k tokens, 4133
     distinct ones in CPython 3.11).
 
@@ -91,28 +88,4 @@ class PythonWordsDataModule(pl.LightningDataModule):
         tokens = tokenize_words(python_help_text())
         self.vocab = WordVocab(tokens, self.max_vocab)
         ids = self.vocab.encode(tokens)
-        n_test = int(len(ids) * self.test_fraction)
-        n_val = int(len(ids) * self.val_fraction)
-        n_train = len(ids) - n_val - n_test
-        self.splits = {
-            "train": ids[:n_train],
-            "val": ids[n_train : n_train + n_val],
-            "test": ids[n_train + n_val :],
-        }
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        self.setup()
-        return ResumableDataLoader(
-            CharWindows(self.splits["train"], self.seq_len),
-            batch_size=self.batch_size,
-            shuffle=True,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
-        return ordered_loader(CharWindows(self.splits["val"], self.seq_len), self.batch_size)
-
-    def test_dataloader(self) -> DataLoader:
-        self.setup()
-        return ordered_loader(CharWindows(self.splits["test"], self.seq_len), self.batch_size)
+        self._split(ids)
