@@ -44,9 +44,9 @@ def _suite(rank: int, out_dir: str) -> None:
                 self.average_state(tag="params")
             self.step_counter.record(synced)
 
-    def fit(name, strategy, max_steps=K, callbacks=(), **kw):
+    def fit(name, strategy, max_steps=K, callbacks=(), model_class=DigitsCNN, **kw):
         pl.seed_everything(0)
-        model = DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
+        model = model_class(lr=0.05, momentum=0.9, weight_decay=1e-4)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD,
@@ -120,6 +120,31 @@ def _suite(rank: int, out_dir: str) -> None:
         "metrics": strategy.sync_metrics(),
         "verify_ops": strategy.comm_stats.ops["verify"],
     }
+
+    # 5. the outer momentum follows the inner learning rate: a per-step schedule halves the rate every step, and each
+    #    outer step receives the rate its round's last inner step used
+    class Halving(DigitsCNN):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Rates(Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.lr = trainer.optimizers[0].param_groups[0]["lr"]  # the rate this step uses
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            s = trainer.strategy
+            self.rows.append(
+                {"lr": self.lr, "synced": s.last_applied is not None, "seen": s.outer.inner_lrs.get((0, 0))}
+            )
+
+    rates = Rates()
+    fit("halving", DiLoCoStrategy(sync_every=H), callbacks=[rates], model_class=Halving)
+    res["halving"] = rates.rows
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -209,6 +234,17 @@ def test_streaming_ranks_hold_identical_global_parameters_after_every_sync(suite
     # with alpha = 0.5 the replicas keep half of their local fragment, so they differ during training; the final
     # sync hands back one global model
     assert max_diff(_load(out, "stream", 0), _load(out, "stream", 1)) == 0.0
+
+
+def test_each_outer_step_receives_the_inner_learning_rate_of_its_rounds_last_step(suite):
+    """``inner_lr_scaling`` (the default) in a real fit: under a per-step schedule the outer optimizer records, at
+    every sync, the rate the round's last inner step used, which scales its momentum (the math: test_outer.py)."""
+    _, results = suite
+    for r in results:
+        rows = r["halving"]
+        synced = [row for row in rows if row["synced"]]
+        assert len(synced) == K // H and all(row["seen"] == row["lr"] for row in synced)
+        assert [row["lr"] for row in synced] == [0.05 * 0.5 ** (H * i + H - 1) for i in range(K // H)]
 
 
 def test_selsync_refuses_an_outer_optimizer_with_gradient_aggregation():

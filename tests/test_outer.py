@@ -165,6 +165,84 @@ def test_state_dict_round_trip_and_mismatches():
         OuterOptimizer(parse_outer_optimizer(NESTEROV), [torch.zeros(6)]).load_state_dict(state)
 
 
+def _hand_slowmo(prev: list[float], means: list[list[float]], rates: list[float], alpha: float, beta: float):
+    """SlowMo's Algorithm 1 (Wang et al. 2020) per element in Python floats, the slow momentum in units of the inner
+    learning rate γ: u = βu + Δ/γ; θ = θ − αγu."""
+    theta, u, out = list(prev), [0.0] * len(prev), []
+    for mean, gamma in zip(means, rates):
+        for j in range(len(theta)):
+            u[j] = beta * u[j] + (theta[j] - mean[j]) / gamma
+            theta[j] = theta[j] - alpha * gamma * u[j]
+        out.append(list(theta))
+    return out
+
+
+def test_inner_lr_scaling_equals_slowmo_in_inner_rate_units():
+    """Under a schedule the outer momentum follows the inner rate (SlowMo's slow momentum): a hand computation of
+    SlowMo's Algorithm 1 with rates falling tenfold and rising again; the same steps without the scaling differ."""
+    prev = [1.0, -2.0, 0.5, 4.0]
+    means = [[0.75, -1.5, 0.5, 3.0], [0.25, -1.0, 1.0, 3.5], [0.0, -1.25, 0.75, 2.0], [0.5, -1.0, 0.5, 2.5]]
+    rates = [0.1, 0.01, 0.001, 0.05]
+    hand = _hand_slowmo(prev, means, rates, alpha=1.0, beta=0.5)
+    scaled, plain = (
+        OuterOptimizer(
+            parse_outer_optimizer({"name": "sgd", "lr": 1.0, "momentum": 0.5, **extra}),
+            [torch.tensor(prev, dtype=torch.float64)],
+        )
+        for extra in ({}, {"inner_lr_scaling": False})
+    )
+    for t, (mean, rate) in enumerate(zip(means, rates)):
+        a, b = (torch.tensor(mean, dtype=torch.float64) for _ in range(2))
+        scaled.step(a, inner_lr=rate)
+        plain.step(b, inner_lr=rate)
+        assert a.tolist() == pytest.approx(hand[t], abs=1e-12), f"step {t}: differs from SlowMo by hand"
+        if t > 0:
+            assert not torch.allclose(a, b), f"step {t}: the scaling changed nothing"
+
+
+@pytest.mark.parametrize("spec", [NESTEROV, {"name": "sgd", "lr": 0.5, "momentum": 0.8}])
+def test_a_constant_inner_lr_keeps_torch_sgd_bit_for_bit(spec):
+    torch.manual_seed(3)
+    config = parse_outer_optimizer(spec)
+    assert config.inner_lr_scaling  # the default
+    prev = torch.randn(100)
+    outer = OuterOptimizer(config, [prev])
+    param = torch.nn.Parameter(prev.clone())
+    reference = torch.optim.SGD([param], lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
+    for _ in range(10):
+        mean = param.data + 0.01 * torch.randn(100)
+        param.grad = outer.global_params[0] - mean
+        reference.step()
+        outer.step(mean, inner_lr=0.05)
+        assert torch.equal(mean, param.data)
+
+
+def test_inner_rates_are_kept_per_range_and_survive_the_state_dict():
+    """Streaming fragments keep their own previous rate; a checkpoint carries them, so the resumed step scales as
+    the uninterrupted one."""
+    torch.manual_seed(4)
+    a = OuterOptimizer(parse_outer_optimizer(NESTEROV), [torch.randn(6)])
+    a.step(torch.randn(3), 0, 0, inner_lr=0.1)
+    a.step(torch.randn(3), 0, 3, inner_lr=0.2)
+    assert a.inner_lrs == {(0, 0): 0.1, (0, 3): 0.2}
+    b = OuterOptimizer(parse_outer_optimizer(NESTEROV), [torch.zeros(6)])
+    b.load_state_dict(a.state_dict())
+    assert b.inner_lrs == a.inner_lrs
+    mean = torch.randn(3)
+    x, y = mean.clone(), mean.clone()
+    a.step(x, 0, 3, inner_lr=0.02)
+    b.step(y, 0, 3, inner_lr=0.02)
+    assert torch.equal(x, y)
+    a.reset([torch.zeros(6)])
+    assert a.inner_lrs == {}
+
+
+def test_inner_lr_scaling_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"outer_optimizer\['inner_lr_scaling'\] must be a bool"):
+        parse_outer_optimizer({**NESTEROV, "inner_lr_scaling": 1})
+    assert not parse_outer_optimizer({**NESTEROV, "inner_lr_scaling": False}).inner_lr_scaling
+
+
 # ------------------------------------------------------------------------------------------------ the schedule
 def test_plain_diloco_syncs_after_every_h_inner_steps():
     s = FragmentSchedule(4)

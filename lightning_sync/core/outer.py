@@ -15,6 +15,18 @@ step), which every replica takes. The paper's outer optimizer is SGD with Nester
 0.9; outer lr 1 without momentum is plain averaging, :math:`\theta^{(t)} = \theta^{(t-1)} - \Delta^{(t)} =
 \text{mean}`.
 
+**The outer momentum follows the inner learning rate** (``inner_lr_scaling``, on by default): SlowMo (Wang et al.
+2020, "SlowMo: Improving Communication-Efficient Distributed SGD with Slow Momentum", ICLR, Algorithm 1) keeps the
+slow momentum in units of the inner learning rate :math:`\gamma_t`,
+:math:`u \leftarrow \beta u + \Delta/\gamma_t,\ \theta \leftarrow \theta - \alpha\gamma_t u`. In the
+parameter units used here (:math:`b = \gamma_t u`) that is the momentum decay multiplied by
+:math:`\gamma_t/\gamma_{t-1}`: :math:`b \leftarrow \mu\,(\gamma_t/\gamma_{t-1})\, b + \Delta`. With a constant
+inner learning rate nothing changes; under a schedule that lowers it (OneCycle, cosine, steps), the outer momentum
+shrinks with it instead of carrying pseudo-gradients of the high-rate phase into the annealed one. Measured: DiLoCo's
+paper optimizer (lr 0.7, Nesterov 0.9) over SGD with momentum and a per-step OneCycle schedule ended at 0.51 / 0.78
+validation accuracy (seeds 0, 1) against DDP's 0.97 without the scaling, and at 0.955 / 0.961 with it
+(``benchmarks/dropin.py``'s script, 2 ranks, H = 16; README, "DiLoCo").
+
 Here the mean comes from the strategies' all-reduce of the flat parameter buffer (one collective, as for plain
 averaging); :class:`OuterOptimizer` keeps :math:`\theta^{(t-1)}` and the momentum in persistent flat buffers of the
 same layout, so a sync allocates nothing, and steps any contiguous range of them (Streaming DiLoCo's fragments).
@@ -37,7 +49,7 @@ from lightning_sync.core.validation import check_bool, check_real
 __all__ = ["DILOCO_OUTER", "OuterOptimizer", "OuterSGD", "parse_outer_optimizer"]
 
 #: the keys an outer optimizer spec may hold (``name`` and ``lr`` are required)
-SPEC_KEYS = ("name", "lr", "momentum", "nesterov")
+SPEC_KEYS = ("name", "lr", "momentum", "nesterov", "inner_lr_scaling")
 
 
 @dataclass(frozen=True)
@@ -53,20 +65,27 @@ class OuterSGD:
         \theta \leftarrow \theta - \eta\, d
 
     with :math:`b` starting at 0 (so the first step's :math:`b = \Delta`, as ``torch.optim.SGD`` initialises its
-    buffer). Use :func:`parse_outer_optimizer` to build one from a user's spec.
+    buffer). With ``inner_lr_scaling`` (default) and momentum, the decay :math:`\mu` is multiplied by
+    :math:`\gamma_t/\gamma_{t-1}`, the inner learning rate of this outer step over the previous one's (SlowMo's slow
+    momentum, module docstring); with a constant inner rate, or when the caller passes none, it is
+    ``torch.optim.SGD``'s arithmetic exactly. Use :func:`parse_outer_optimizer` to build one from a user's spec.
     """
 
     lr: float
     momentum: float = 0.0
     nesterov: bool = False
+    inner_lr_scaling: bool = True
 
     def spec(self) -> dict[str, Any]:
         """The dict form :func:`parse_outer_optimizer` accepts (and checkpoints record)."""
         return {"name": "sgd", **asdict(self)}
 
 
-#: DiLoCo's outer optimizer (the paper's: SGD, Nesterov momentum 0.9, lr 0.7), as a spec
-DILOCO_OUTER: Mapping[str, Any] = MappingProxyType({"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True})
+#: DiLoCo's outer optimizer (the paper's: SGD, Nesterov momentum 0.9, lr 0.7; the momentum follows the inner
+#: learning rate, ``inner_lr_scaling``), as a spec
+DILOCO_OUTER: Mapping[str, Any] = MappingProxyType(
+    {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "inner_lr_scaling": True}
+)
 
 
 def parse_outer_optimizer(spec: Any, argument: str = "outer_optimizer") -> OuterSGD | None:
@@ -74,7 +93,8 @@ def parse_outer_optimizer(spec: Any, argument: str = "outer_optimizer") -> Outer
     "momentum": 0.9, "nesterov": True}``.
 
     ``name`` must be ``"sgd"``, ``lr`` a finite number > 0, ``momentum`` (default 0) in [0, 1), ``nesterov``
-    (default False) a bool, and Nesterov needs momentum > 0 (as ``torch.optim.SGD``). Anything else raises
+    (default False) a bool, and Nesterov needs momentum > 0 (as ``torch.optim.SGD``); ``inner_lr_scaling`` (default
+    True: the momentum follows the inner learning rate, :class:`OuterSGD`) a bool. Anything else raises
     ``ValueError`` naming ``argument`` and the key with its allowed range.
     """
     if spec is None:
@@ -104,7 +124,8 @@ def parse_outer_optimizer(spec: Any, argument: str = "outer_optimizer") -> Outer
         raise ValueError(
             f"{argument}['nesterov'] = True needs {argument}['momentum'] in (0.0, 1.0), got momentum {momentum!r}"
         )
-    return OuterSGD(lr=lr, momentum=momentum, nesterov=nesterov)
+    scaling = check_bool(f"{argument}['inner_lr_scaling']", spec.get("inner_lr_scaling", True))
+    return OuterSGD(lr=lr, momentum=momentum, nesterov=nesterov, inner_lr_scaling=scaling)
 
 
 class OuterOptimizer:
@@ -136,6 +157,8 @@ class OuterOptimizer:
             )
         #: outer steps taken (over any range)
         self.steps = 0
+        #: the inner learning rate of the last outer step of each range (index, start), for ``inner_lr_scaling``
+        self.inner_lrs: dict[tuple[int, int], float] = {}
 
     @property
     def is_averaging(self) -> bool:
@@ -150,14 +173,17 @@ class OuterOptimizer:
             for b in self.momentum_buffers:
                 b.zero_()
         self.steps = 0
+        self.inner_lrs.clear()
 
     @torch.no_grad()
-    def step(self, mean: Tensor, index: int = 0, start: int = 0) -> None:
+    def step(self, mean: Tensor, index: int = 0, start: int = 0, inner_lr: float | None = None) -> None:
         r"""One outer step on ``global_params[index][start : start + mean.numel()]``.
 
         ``mean`` (1-D, contiguous) holds the replicas' mean over that range and receives :math:`\theta^{(t)}`, which
         is also stored as the new global parameters. DiLoCo's Algorithm 1, outer gradient and outer step:
-        :math:`\Delta = \theta^{(t-1)} - \text{mean}`, then :class:`OuterSGD`'s update.
+        :math:`\Delta = \theta^{(t-1)} - \text{mean}`, then :class:`OuterSGD`'s update. ``inner_lr``
+        (:math:`\gamma_t`, the inner learning rate of the round's last step) scales the momentum's decay by
+        :math:`\gamma_t/\gamma_{t-1}` with ``inner_lr_scaling``; ``None`` (or a previous rate of 0) leaves it as is.
         """
         n = mean.numel()
         glob = self.global_params[index]
@@ -169,10 +195,16 @@ class OuterOptimizer:
             theta.copy_(mean)
             return
         c = self.config
+        decay = c.momentum
+        if c.momentum > 0 and c.inner_lr_scaling and inner_lr is not None:
+            previous = self.inner_lrs.get((index, start))
+            if previous is not None and previous > 0 and inner_lr != previous:
+                decay = c.momentum * (float(inner_lr) / previous)  # SlowMo: the momentum in inner-rate units
+            self.inner_lrs[(index, start)] = float(inner_lr)
         delta = torch.sub(theta, mean, out=mean)  # Δ = θ_prev − mean, in mean's storage (no allocation)
         if c.momentum > 0:
             buf = self.momentum_buffers[index][start : start + n]
-            buf.mul_(c.momentum).add_(delta)
+            buf.mul_(decay).add_(delta)
             if c.nesterov:
                 delta.add_(buf, alpha=c.momentum)
             else:
@@ -188,6 +220,7 @@ class OuterOptimizer:
             "global_params": [g.detach().to("cpu", copy=True) for g in self.global_params],
             "momentum_buffers": [b.detach().to("cpu", copy=True) for b in self.momentum_buffers],
             "steps": self.steps,
+            "inner_lrs": [[i, s, lr] for (i, s), lr in sorted(self.inner_lrs.items())],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -211,3 +244,4 @@ class OuterOptimizer:
                 for dst, src in zip(mine, theirs):
                     dst.copy_(src.reshape(-1))
         self.steps = int(state["steps"])
+        self.inner_lrs = {(int(i), int(s)): float(lr) for i, s, lr in state.get("inner_lrs", [])}

@@ -234,11 +234,12 @@ class DiLoCoStrategy(SyncStrategy):
         for handle in pending.handles:
             handle.wait()
         parts = self._parts[pending.fragment]
+        inner_lr = self._inner_lr()
         with torch.no_grad():
             for part, buf in zip(parts, pending.buffers):
                 n = part.param_end - part.start
                 if self.outer is not None and n:
-                    self.outer.step(buf[:n], part.group, part.start)
+                    self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
             if self.verify_sync:
                 self._verify(pending.buffers, f"global parameters of fragment {pending.fragment} after its sync")
             if not self._in_place:
@@ -269,12 +270,13 @@ class DiLoCoStrategy(SyncStrategy):
         tensors = self.flat.state_tensors()
         self.comm.all_reduce_many(tensors, op="avg", tag="final")
         if self.outer is not None:
+            inner_lr = self._inner_lr()
             with torch.no_grad():
                 for f, steps in enumerate(since):
                     for part in self._parts[f]:
                         params = self._region(part, params_only=True)
                         if steps:
-                            self.outer.step(params, part.group, part.start)
+                            self.outer.step(params, part.group, part.start, inner_lr=inner_lr)
                         else:  # synced at the last step: its mean holds nothing the global model lacks
                             params.copy_(self.outer.global_params[part.group][part.start : part.param_end])
         if self.verify_sync:

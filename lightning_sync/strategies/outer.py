@@ -36,14 +36,24 @@ class OuterAveraging:
         if self.outer_config is not None:
             self.outer = OuterOptimizer(self.outer_config, [g.state[: g.param_numel] for g in self.flat.groups])
 
+    def _inner_lr(self) -> float | None:
+        r""":math:`\gamma_t` for the outer momentum's ``inner_lr_scaling``: the learning rate of the first optimizer's
+        first parameter group now (the rate of the round's last inner step; schedulers scale every group alike).
+        None before the optimizers exist."""
+        optimizers = getattr(self, "optimizers", None)
+        if not optimizers or not optimizers[0].param_groups:
+            return None
+        return float(optimizers[0].param_groups[0]["lr"])
+
     def _outer_step(self, tensors: list[Tensor]) -> None:
         r"""In :meth:`average_state`, with the flat buffers (``tensors``) holding the mean: the outer step on every
         group's parameters (buffers keep the mean), and every rank holds the new :math:`\theta_{global}`."""
         if self.outer is None:
             return
+        inner_lr = self._inner_lr()
         for index, g in enumerate(self.flat.groups):
             if g.param_numel:
-                self.outer.step(g.state[: g.param_numel], index)
+                self.outer.step(g.state[: g.param_numel], index, inner_lr=inner_lr)
         self._updates_since_average = 0
         if self._reference is not None:  # compressed: the next changes are taken from what every rank now holds
             for ref, t in zip(self._reference, tensors):
