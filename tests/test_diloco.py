@@ -67,7 +67,9 @@ def _suite(rank: int, out_dir: str) -> None:
     res["diloco_lr1"] = {"syncs": tr.strategy.step_counter.sync_steps, "final_ops": tr.strategy.comm_stats.ops["final"]}
     # 2. K = 1, delay 0 is plain DiLoCo: the periodic strategies' averaging path with the paper's outer optimizer
     fit("plain_diloco", LocalSGDAfterEveryH(period=H, outer_optimizer=NESTEROV), **f64)
-    tr = fit("diloco", DiLoCoStrategy(sync_every=H, fragments=1, delay=0, verify_sync=True), **f64)
+    tr = fit(
+        "diloco", DiLoCoStrategy(sync_every=H, outer_optimizer=NESTEROV, fragments=1, delay=0, verify_sync=True), **f64
+    )
     res["diloco"] = {"outer_steps": tr.strategy.outer.steps, "verify_ops": tr.strategy.comm_stats.ops["verify"]}
     # 3. the shared path on the periodic family: outer lr 1 reproduces plain averaging bit for bit (ADPSGD's S_k is
     #    measured against the mean before the outer step, so its periods are the same too; FedAvg averages one of the
@@ -143,8 +145,20 @@ def _suite(rank: int, out_dir: str) -> None:
             )
 
     rates = Rates()
-    fit("halving", DiLoCoStrategy(sync_every=H), callbacks=[rates], model_class=Halving)
+    tr = fit("halving", DiLoCoStrategy(sync_every=H), callbacks=[rates], model_class=Halving)
     res["halving"] = rates.rows
+
+    # 6. outer_optimizer="auto" (the default) chooses from the inner optimizer: SGD above, AdamW here
+    class WithAdamW(DigitsCNN):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    auto = tr.strategy
+    tr = fit("adamw", DiLoCoStrategy(sync_every=H), max_steps=H, model_class=WithAdamW)
+    res["auto"] = {
+        "sgd": [auto.outer_config.spec(), auto.outer_reason, auto.outer.steps],
+        "adamw": [tr.strategy.outer_config.spec(), tr.strategy.outer_reason, tr.strategy.outer.steps],
+    }
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -247,6 +261,17 @@ def test_each_outer_step_receives_the_inner_learning_rate_of_its_rounds_last_ste
         assert [row["lr"] for row in synced] == [0.05 * 0.5 ** (H * i + H - 1) for i in range(K // H)]
 
 
+def test_auto_outer_optimizer_is_chosen_from_the_inner_optimizer_at_setup(suite):
+    """The default: SlowMo's outer step over SGD, the paper's over AdamW, each logged with its reason and stepping."""
+    from lightning_sync.core.outer import DILOCO_OUTER, SLOWMO_OUTER
+
+    _, results = suite
+    for r in results:
+        (sgd, sgd_why, sgd_steps), (adamw, adamw_why, adamw_steps) = r["auto"]["sgd"], r["auto"]["adamw"]
+        assert sgd == dict(SLOWMO_OUTER) and "SGD" in sgd_why and sgd_steps == K // H + 1  # + the final sync
+        assert adamw == dict(DILOCO_OUTER) and "AdamW" in adamw_why and adamw_steps == 1
+
+
 def test_selsync_refuses_an_outer_optimizer_with_gradient_aggregation():
     from lightning_sync import SelSyncStrategy
 
@@ -263,7 +288,10 @@ def test_yaml_config_and_name():
     config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "diloco.yaml"
     cli = cli_main(["--config", str(config)], run=False)
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, DiLoCoStrategy) and strategy.outer_config == OuterSGD(0.7, 0.9, True)
+    assert isinstance(strategy, DiLoCoStrategy) and strategy.outer_auto and strategy.outer_config is None
+    paper = '{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": true}'
+    cli = cli_main(["--config", str(config), f"--trainer.strategy.init_args.outer_optimizer={paper}"], run=False)
+    assert cli.trainer.strategy.outer_config == OuterSGD(0.7, 0.9, True) and not cli.trainer.strategy.outer_auto
     cli = cli_main(
         ["--config", str(config), '--trainer.strategy.init_args.outer_optimizer={"name": "sgd", "lr": 1.0}'], run=False
     )

@@ -243,6 +243,20 @@ def test_inner_lr_scaling_must_be_a_bool():
     assert not parse_outer_optimizer({**NESTEROV, "inner_lr_scaling": False}).inner_lr_scaling
 
 
+def test_auto_outer_optimizer_follows_the_kind_of_inner_optimizer():
+    from lightning_sync.core.outer import SLOWMO_OUTER, auto_outer_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    sgd, adamw, adam = torch.optim.SGD(p, lr=0.1, momentum=0.9), torch.optim.AdamW(p), torch.optim.Adam(p)
+    assert auto_outer_optimizer([adamw])[0] == parse_outer_optimizer(DILOCO_OUTER)
+    assert auto_outer_optimizer([adamw, adam])[0] == parse_outer_optimizer(DILOCO_OUTER)
+    for inner in ([sgd], [sgd, adamw], [torch.optim.LBFGS(p)]):
+        config, why = auto_outer_optimizer(inner)
+        assert config == OuterSGD(lr=1.0, momentum=0.5) == parse_outer_optimizer(SLOWMO_OUTER) and "SlowMo" in why
+    with pytest.raises(ValueError, match="needs the inner optimizer"):
+        auto_outer_optimizer([])
+
+
 # ------------------------------------------------------------------------------------------------ the schedule
 def test_plain_diloco_syncs_after_every_h_inner_steps():
     s = FragmentSchedule(4)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -269,20 +269,22 @@ def _outer_specs() -> Any:
     lr = st.floats(0.0, 1e6, exclude_min=True, allow_nan=False) | st.integers(1, 10**6)
     momentum = st.floats(0.0, 1.0, exclude_max=True, allow_nan=False)
 
-    def spec(lr: float, momentum: float, nesterov: bool, keys: int) -> dict:
+    def spec(lr: float, momentum: float, nesterov: bool, keys: int, scaling: bool) -> dict:
         out: dict[str, Any] = {"name": "sgd", "lr": lr}
         if keys >= 1 or momentum > 0:
             out["momentum"] = momentum
         if keys >= 2 or nesterov:
             out["nesterov"] = nesterov and momentum > 0
+        if keys >= 3:
+            out["inner_lr_scaling"] = scaling
         return out
 
-    return st.builds(spec, lr, momentum, st.booleans(), st.integers(0, 2))
+    return st.builds(spec, lr, momentum, st.booleans(), st.integers(0, 3), st.booleans())
 
 
 _OUTER = Arg(
     allowed="None (plain averaging) or a mapping {'name': 'sgd', 'lr': > 0, 'momentum': [0, 1) (0), 'nesterov': bool "
-    "(False; needs momentum > 0)}",
+    "(False; needs momentum > 0), 'inner_lr_scaling': bool (True)}",
     valid=st.none() | _outer_specs(),
     invalid=st.one_of(
         st.integers(),
@@ -298,6 +300,7 @@ _OUTER = Arg(
         st.builds(lambda n: {"name": n, "lr": 0.7}, _TEXT | st.sampled_from(["SGD", "adam", "nesterov", None, 1])),
         st.builds(lambda k: {"name": "sgd", "lr": 0.7, k: 0.1}, st.sampled_from(["dampening", "weight_decay", "mu"])),
         st.sampled_from([{"name": "sgd"}, {"lr": 0.7}, {"name": "sgd", "lr": 0.7, "nesterov": True}]),
+        st.builds(lambda v: {"name": "sgd", "lr": 0.7, "inner_lr_scaling": v}, st.sampled_from([1, 0, "yes", None])),
     ),
     message=r"outer_optimizer(\['\w+'\])? (must|has unknown keys|= True needs)",
     edges_valid=(None, {"name": "sgd", "lr": 1e-300}, {"name": "sgd", "lr": 1, "momentum": 0.0}, DILOCO_OUTER),
@@ -309,6 +312,14 @@ _OUTER = Arg(
         {},
         "sgd",
     ),
+)
+#: DiLoCo also takes "auto" (the outer optimizer chosen from the inner one at setup), its default
+_DILOCO_OUTER = replace(
+    _OUTER,
+    allowed="'auto' (default), " + _OUTER.allowed,
+    valid=_OUTER.valid | st.just("auto"),
+    invalid=st.one_of(_OUTER.invalid, st.sampled_from(["Auto", "AUTO", "auto ", "slowmo"])),
+    edges_valid=(*_OUTER.edges_valid, "auto"),
 )
 _DIVISORS = tuple(d for d in range(1, DEFAULT_SYNC_EVERY + 1) if DEFAULT_SYNC_EVERY % d == 0)
 
@@ -608,7 +619,7 @@ SPECS: dict[type, dict[str, Arg]] = {
             edges_invalid=("bf16", "int8"),
         ),
         sync_every=int_arg("sync_every", 1),
-        outer_optimizer=_OUTER,
+        outer_optimizer=_DILOCO_OUTER,
         fragments=Arg(
             allowed=f"integer in [1, sync_every] dividing sync_every (default sync_every {DEFAULT_SYNC_EVERY})",
             valid=st.sampled_from(_DIVISORS),

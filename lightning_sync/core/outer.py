@@ -46,7 +46,15 @@ from torch import Tensor
 
 from lightning_sync.core.validation import check_bool, check_real
 
-__all__ = ["DILOCO_OUTER", "OuterOptimizer", "OuterSGD", "parse_outer_optimizer"]
+__all__ = [
+    "ADAPTIVE_OPTIMIZERS",
+    "DILOCO_OUTER",
+    "SLOWMO_OUTER",
+    "OuterOptimizer",
+    "OuterSGD",
+    "auto_outer_optimizer",
+    "parse_outer_optimizer",
+]
 
 #: the keys an outer optimizer spec may hold (``name`` and ``lr`` are required)
 SPEC_KEYS = ("name", "lr", "momentum", "nesterov", "inner_lr_scaling")
@@ -86,6 +94,59 @@ class OuterSGD:
 DILOCO_OUTER: Mapping[str, Any] = MappingProxyType(
     {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "inner_lr_scaling": True}
 )
+
+
+#: SlowMo's outer step over SGD inner optimizers (Wang et al. 2020, Algorithm 1 with slow lr α = 1 and slow momentum
+#: β = 0.5, the defaults of fairscale's ``SlowMoDistributedDataParallel``), as a spec
+SLOWMO_OUTER: Mapping[str, Any] = MappingProxyType(
+    {"name": "sgd", "lr": 1.0, "momentum": 0.5, "nesterov": False, "inner_lr_scaling": True}
+)
+
+#: inner optimizers with per-coordinate adaptive steps (the Adam family and its relatives): DiLoCo's setting
+ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "SparseAdam",
+        "Adafactor",
+    )
+    if hasattr(torch.optim, name)
+)
+
+
+def auto_outer_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[OuterSGD, str]:
+    r"""The outer optimizer for the user's inner optimizer(s), with the reason (``outer_optimizer="auto"``).
+
+    Each setting is the one its paper measured over that kind of inner optimizer:
+
+    * every inner optimizer adaptive (:data:`ADAPTIVE_OPTIMIZERS`, e.g. AdamW): DiLoCo's, :data:`DILOCO_OUTER`
+      (Douillard et al. 2023 train with inner AdamW; outer Nesterov SGD, lr 0.7, momentum 0.9);
+    * otherwise (SGD, with or without momentum, or anything else): SlowMo's, :data:`SLOWMO_OUTER` (Wang et al. 2020
+      train SGD with Nesterov momentum inside; α = 1, β = 0.5). DiLoCo's outer step amplifies a steady
+      pseudo-gradient :math:`\eta/(1-\mu) = 7` times (Nesterov: :math:`\Delta + \mu b \to 10\Delta`, times 0.7) on
+      top of an inner SGD whose own momentum already amplifies its steps tenfold; SlowMo's amplifies 2 times. Measured
+      (README, "DiLoCo and the outer optimizer"): DiLoCo's setting diverged on the words workload (SGD, momentum 0.9,
+      constant rate) where SlowMo's reached the target.
+
+    ``optimizers`` must not be empty (ValueError).
+    """
+    if not optimizers:
+        raise ValueError("outer_optimizer='auto' needs the inner optimizer(s) to choose from, got none")
+    names = ", ".join(type(o).__name__ for o in optimizers)
+    if all(isinstance(o, ADAPTIVE_OPTIMIZERS) for o in optimizers):
+        spec, why = DILOCO_OUTER, f"DiLoCo's (inner {names}: adaptive, as the paper's AdamW)"
+    else:
+        spec, why = SLOWMO_OUTER, f"SlowMo's (inner {names}: not adaptive, as SlowMo's SGD)"
+    config = parse_outer_optimizer(spec)
+    assert config is not None
+    return config, why
 
 
 def parse_outer_optimizer(spec: Any, argument: str = "outer_optimizer") -> OuterSGD | None:

@@ -7,12 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sync.comm import CommHandle, Communicator
-from lightning_sync.core.outer import DILOCO_OUTER, parse_outer_optimizer
+from lightning_sync.core.outer import auto_outer_optimizer, parse_outer_optimizer
 from lightning_sync.core.streaming import FragmentSchedule, fragment_ranges
 from lightning_sync.core.validation import check_bool, check_real
 from lightning_sync.strategies.base import SyncStrategy
@@ -45,9 +47,16 @@ class _Pending:
 class DiLoCoStrategy(SyncStrategy):
     r"""DiLoCo: every rank takes inner steps with the user's optimizer (the *inner* optimizer: their configured
     optimizer and learning rate, as for DDP); every ``sync_every`` (:math:`H`) steps the replicas' mean gives the
-    outer gradient :math:`\Delta = \theta_{global} - \text{mean}` and an outer optimizer — by default the paper's SGD
-    with Nesterov momentum 0.9, lr 0.7 — steps :math:`\theta_{global}`, which every rank takes (Algorithm 1; the math
-    in :class:`~lightning_sync.core.outer.OuterOptimizer`). One all-reduce per sync, as local SGD; floating buffers
+    outer gradient :math:`\Delta = \theta_{global} - \text{mean}` and an outer optimizer steps
+    :math:`\theta_{global}`, which every rank takes (Algorithm 1; the math in
+    :class:`~lightning_sync.core.outer.OuterOptimizer`).
+
+    **Default outer optimizer** (``outer_optimizer="auto"``), chosen at setup from the inner optimizer(s) the
+    LightningModule configures (:func:`~lightning_sync.core.outer.auto_outer_optimizer`): over adaptive ones (AdamW,
+    Adam, ...) the paper's SGD with Nesterov momentum 0.9, lr 0.7; over SGD (and anything else) SlowMo's SGD with
+    momentum 0.5, lr 1 — the setting each paper measured over that kind of inner optimizer. Either way the outer
+    momentum follows the inner learning rate (``inner_lr_scaling``). The choice is logged at setup and kept in
+    :attr:`outer_config`; give a spec to fix it. One all-reduce per sync, as local SGD; floating buffers
     (BatchNorm statistics) are averaged plainly. ``outer_optimizer=None`` is local SGD with this schedule, and
     ``{"name": "sgd", "lr": 1.0}`` too (lr 1 without momentum is plain averaging, tested).
 
@@ -94,8 +103,8 @@ class DiLoCoStrategy(SyncStrategy):
 
     Args:
         sync_every: :math:`H`, inner steps per outer step of each fragment (>= 1).
-        outer_optimizer: the outer optimizer spec (default: the paper's ``{"name": "sgd", "lr": 0.7, "momentum":
-            0.9, "nesterov": True}``), or None for plain averaging; see
+        outer_optimizer: ``"auto"`` (default, above), an outer optimizer spec such as the paper's ``{"name": "sgd",
+            "lr": 0.7, "momentum": 0.9, "nesterov": True}``, or None for plain averaging; see
             :func:`~lightning_sync.core.outer.parse_outer_optimizer`.
         fragments: :math:`K`, an integer in [1, ``sync_every``] that divides ``sync_every``.
         delay: :math:`\tau`, inner steps between a fragment's all-reduce launch and its application, an integer in
@@ -111,7 +120,7 @@ class DiLoCoStrategy(SyncStrategy):
     def __init__(
         self,
         sync_every: int = DEFAULT_SYNC_EVERY,
-        outer_optimizer: Mapping[str, Any] | None = DILOCO_OUTER,
+        outer_optimizer: Mapping[str, Any] | str | None = "auto",
         fragments: int = 1,
         delay: int = 0,
         alpha: float = 0.0,
@@ -125,7 +134,17 @@ class DiLoCoStrategy(SyncStrategy):
             self.schedule.delay,
         )
         self.alpha = check_real("alpha", alpha, 0.0, 1.0)
-        self.outer_config = parse_outer_optimizer(outer_optimizer)
+        #: ``outer_optimizer="auto"``: resolved in :meth:`setup_optimizers` from the inner optimizer(s)
+        if isinstance(outer_optimizer, str) and outer_optimizer != "auto":
+            raise ValueError(
+                "outer_optimizer must be 'auto' (chosen from the inner optimizer), None (plain averaging) or a mapping "
+                f"such as {{'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}, got {outer_optimizer!r}"
+            )
+        self.outer_auto = outer_optimizer == "auto"
+        #: why the outer optimizer is what it is (``"auto"``: the inner optimizer it was chosen for)
+        self.outer_reason = "auto: chosen at setup" if self.outer_auto else "given"
+        self.outer_config = None if self.outer_auto else parse_outer_optimizer(outer_optimizer)
+        self._saved_outer: tuple[dict[str, Any] | None] | None = None  # a checkpoint's outer state, until chosen
         self.average_at_end = check_bool("average_at_end", average_at_end)
         if kwargs.get("compression") is not None:
             raise ValueError(
@@ -149,6 +168,25 @@ class DiLoCoStrategy(SyncStrategy):
         self.in_flight_at_step_start: bool | None = None
 
     # ------------------------------------------------------------------ setup
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """After Lightning builds the inner optimizer(s): ``outer_optimizer="auto"`` chooses the outer optimizer for
+        them, builds it over the (identical or restored) replicas and loads a checkpoint's outer state."""
+        super().setup_optimizers(trainer)
+        if self.outer_auto and self.outer is None:
+            self.outer_config, why = auto_outer_optimizer(self.optimizers)
+            self.outer_reason = f"auto: {why}"
+            rank_zero_info(f"DiLoCoStrategy: outer optimizer {self.outer_config.spec()}, {why}")
+            self._setup_outer()
+            pending, self._saved_outer = self._saved_outer, None
+            if pending is not None:
+                super()._load_outer_state(pending[0])
+
+    def _load_outer_state(self, saved: dict[str, Any] | None) -> None:
+        if self.outer_auto and self.outer is None:  # "auto" before the optimizers exist: loaded once it is chosen
+            self._saved_outer = (saved,)
+            return
+        super()._load_outer_state(saved)
+
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.delay > 0:  # the overlapped all-reduces get their own group (collective: every rank, same order)
