@@ -9,6 +9,8 @@ predict and a resume from ``last.ckpt``.
     python benchmarks/dropin.py                       # table: every strategy at its defaults vs ddp, 2 and 4 ranks
     python benchmarks/dropin.py --world 2 --seeds 0 1 # fewer runs
     python benchmarks/dropin.py --selsync-sweep       # SelSync's sync_fraction vs accuracy (the default's measurements)
+    python benchmarks/dropin.py --diloco-outer --world 2 --seeds 0 1 2
+                                                      # DiLoCo's outer optimizer, with and without inner_lr_scaling
     python benchmarks/dropin.py script --strategy selsync --devices 2 --out DIR
                                                       # the user script itself, launched by Lightning (popen)
 
@@ -389,6 +391,40 @@ def _sweep_worker(rank: int, out: str, fractions: list[float], seeds: list[int],
         (Path(out) / "sweep.json").write_text(json.dumps(rows, indent=1))
 
 
+#: DiLoCo outer optimizers compared by ``--diloco-outer`` (label -> outer_optimizer; ``ddp`` is the reference)
+DILOCO_OUTERS: dict[str, dict[str, Any] | None] = {
+    "paper's (0.7, Nesterov 0.9), no scaling": {
+        "name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "inner_lr_scaling": False
+    },
+    "paper's, inner_lr_scaling": {
+        "name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "inner_lr_scaling": True
+    },
+    "SlowMo's (lr 1, heavy-ball 0.5), scaling: the default over SGD": {"name": "sgd", "lr": 1.0, "momentum": 0.5},
+    "plain averaging (outer_optimizer=None)": None,
+}  # fmt: skip
+
+
+def _diloco_worker(rank: int, out: str, seeds: list[int], epochs: int) -> None:
+    import warnings
+
+    import lightning_sync  # noqa: F401  (registers the names)
+
+    warnings.filterwarnings("ignore")
+    world = int(os.environ["WORLD_SIZE"])
+    rows = []
+    for seed in seeds:
+        res = run_user_script("ddp", Path(out) / f"ddp_{seed}", world, epochs, seed=seed)
+        rows.append({"label": "ddp (reference)", "seed": seed, "val_acc": res["val_acc"], "test_acc": res["test_acc"]})
+        for i, (label, outer) in enumerate(DILOCO_OUTERS.items()):
+            kwargs = {"outer_optimizer": outer}
+            res = run_user_script(
+                "diloco", Path(out) / f"d{i}_{seed}", world, epochs, seed=seed, strategy_kwargs=kwargs
+            )
+            rows.append({"label": label, "seed": seed, "val_acc": res["val_acc"], "test_acc": res["test_acc"]})
+    if rank == 0:
+        (Path(out) / "diloco.json").write_text(json.dumps(rows, indent=1))
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     by: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -428,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategies", default=",".join(("ddp", *STRATEGIES)))
     parser.add_argument("--selsync-sweep", action="store_true", help="SelSync's sync_fraction vs accuracy")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--diloco-outer", action="store_true", help="DiLoCo's outer optimizer variants vs ddp")
     parser.add_argument("--out", default=None, help="keep the runs' files here (default: a temporary directory)")
     args = parser.parse_args(argv)
 
@@ -448,6 +485,18 @@ def main(argv: list[str] | None = None) -> None:
                     f"| {r['world']} | {r['label']} | {r['seed']} | {r['user_val_acc']:.4f} | {r['user_test_acc']:.4f} "
                     f"| {r['user_lssr']:.3f} | {r['digits_test_acc']:.4f} | {r['digits_lssr']:.3f} |"
                 )
+            return None
+        if args.diloco_outer:
+            for world in args.world:
+                launch_local(_diloco_worker, world, str(out / f"w{world}"), args.seeds, args.epochs)
+                rows = json.loads((out / f"w{world}" / "diloco.json").read_text())
+                seeds = sorted({r["seed"] for r in rows})
+                print(f"\n{world} ranks, {args.epochs} epochs, validation accuracy (test accuracy)")
+                print("| outer optimizer | " + " | ".join(f"seed {x}" for x in seeds) + " |")
+                print("|---|" + "---:|" * len(seeds))
+                for label in dict.fromkeys(r["label"] for r in rows):
+                    cells = [f"{r['val_acc']:.4f} ({r['test_acc']:.4f})" for r in rows if r["label"] == label]
+                    print(f"| {label} | " + " | ".join(cells) + " |")
             return None
         names = args.strategies.split(",")
         rows = []

@@ -24,7 +24,7 @@ parameter units used here (:math:`b = \gamma_t u`) that is the momentum decay mu
 inner learning rate nothing changes; under a schedule that lowers it (OneCycle, cosine, steps), the outer momentum
 shrinks with it instead of carrying pseudo-gradients of the high-rate phase into the annealed one. Measured: DiLoCo's
 paper optimizer (lr 0.7, Nesterov 0.9) over SGD with momentum and a per-step OneCycle schedule ended at 0.51 / 0.78
-validation accuracy (seeds 0, 1) against DDP's 0.97 without the scaling, and at 0.955 / 0.961 with it
+validation accuracy (seeds 0, 1) against DDP's 0.97 without the scaling, and at 0.953 / 0.961 with it
 (``benchmarks/dropin.py``'s script, 2 ranks, H = 16; README, "DiLoCo").
 
 Here the mean comes from the strategies' all-reduce of the flat parameter buffer (one collective, as for plain
