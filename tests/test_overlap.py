@@ -90,6 +90,13 @@ class HostSelSync(SelSyncStrategy):
         return self.host_delta
 
 
+class DeviceSelSync(SelSyncStrategy):
+    """SelSync with the device tracker forced on the CPU (by default the CPU decides on the host): the path a GPU
+    takes, exercised here."""
+
+    _decide_on_host = False
+
+
 def _suite(rank: int, out_dir: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -191,12 +198,16 @@ def _suite(rank: int, out_dir: str) -> None:
             self.rows.append([s.last_voters, s.last_delta, s.step_counter.sync_steps])
 
     for agg in ("parameters", "gradients"):
-        for label, cls in (("device", SelSyncStrategy), ("host", HostSelSync)):
+        for label, cls in (("device", DeviceSelSync), ("host", HostSelSync), ("default", SelSyncStrategy)):
             decisions = Decisions()
             trainer = fit(
                 f"sel_{agg}_{label}", cls(delta=DELTA_MIXED, aggregation=agg), max_steps=40, callbacks=[decisions]
             )
-            res[f"sel_{agg}_{label}"] = {"rows": decisions.rows, "lssr": trainer.strategy.step_counter.lssr}
+            res[f"sel_{agg}_{label}"] = {
+                "rows": decisions.rows,
+                "lssr": trainer.strategy.step_counter.lssr,
+                "tracker": type(trainer.strategy.tracker).__name__,
+            }
 
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
@@ -285,13 +296,18 @@ def test_first_bucket_is_in_flight_before_backward_finishes(suite):
 def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg):
     res, params = suite
     for r in res:
-        device, host = r[f"sel_{agg}_device"], r[f"sel_{agg}_host"]
-        assert device["rows"] == host["rows"]  # voters, Delta (exact float), syncs so far, at every step
-        assert device["lssr"] == host["lssr"]
+        device, host, default = r[f"sel_{agg}_device"], r[f"sel_{agg}_host"], r[f"sel_{agg}_default"]
+        assert device["tracker"] == "DeviceGradientChangeTracker"
+        assert default["tracker"] == "GradientChangeTracker"  # gradients on the CPU: decided on the host
+        for other in (host, default):
+            assert device["rows"] == other["rows"]  # voters, Delta (exact float), syncs so far, at every step
+            assert device["lssr"] == other["lssr"]
         assert 0 < device["rows"][-1][2] < 40  # a mix of sync and local steps
     for rank in range(WORLD):
-        dev, host = params(f"sel_{agg}_device", rank), params(f"sel_{agg}_host", rank)
-        assert all(torch.equal(dev[k], host[k]) for k in dev)
+        dev = params(f"sel_{agg}_device", rank)
+        for label in ("host", "default"):
+            other = params(f"sel_{agg}_{label}", rank)
+            assert all(torch.equal(dev[k], other[k]) for k in dev)
 
 
 # ------------------------------------------------------------------------------------ no host read (in-process)
@@ -306,7 +322,7 @@ def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=SelSyncStrategy(delta=DELTA_MIXED, aggregation=agg),
+        strategy=DeviceSelSync(delta=DELTA_MIXED, aggregation=agg),  # the device path, as on a GPU
         max_steps=8,
         callbacks=[probe],
         **quiet_trainer_kwargs(limit_val_batches=0),
