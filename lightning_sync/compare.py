@@ -40,6 +40,7 @@ from lightning_sync.benchmark.runs import (
     run_one,
     slug,
 )
+from lightning_sync.comm.compression import COMPRESSIONS
 
 
 def default_strategies() -> str:
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--strategies",
         default=None,
         help="comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference (default: ddp and "
-        "every strategy of the pack)",
+        "every strategy of the pack); NAME+CODEC (bf16, fp16, int8) adds NAME's compressed row, e.g. localsgd+bf16",
     )
     parser.add_argument(
         "--devices", type=int, default=None, help="processes per run (>= 1; default: the config's trainer.devices)"
@@ -177,18 +178,23 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
             parser.error(f"--strategy-arg must look like NAME.KEY=VALUE, got {item!r}")
         strategy_args.setdefault(name.replace("-", "_"), []).append(rest)
     rows: list[Row] = []
-    for name in names:
+    for entry in names:
+        name, _, codec = entry.partition("+")
         key = name.replace("-", "_")
         try:
             default = make_row(name, strategy_args.get(key, []))
+            if codec:
+                compress_row(default, codec)
         except ValueError as err:  # reported in the table; the other rows still run
-            rows.append(Row(label=name, strategy=name, class_path="", sync_stats=False, error=str(err)))
+            rows.append(Row(label=entry, strategy=name, class_path="", sync_stats=False, error=str(err)))
             continue
         path = recipe_path(args.recipes_dir, workload, default.strategy)
         tuned = None
         if args.recipes and default.strategy != REFERENCE:
             if path.exists():
                 tuned = make_row(name, recipe=load_recipe(path), lr=lr)
+                if codec:
+                    compress_row(tuned, codec)
             else:
                 print(
                     f"[compare] no recipe for {default.strategy} on {workload} ({path}): default row only", flush=True
@@ -198,6 +204,25 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
         if tuned is not None:
             rows.append(tuned)
     return rows
+
+
+def compress_row(row: Row, codec: str) -> None:
+    """Make ``row`` the compressed variant ``<strategy>+<codec>`` (``localsgd+bf16``): the strategy's
+    ``compression`` argument set to ``codec``, labelled so it sits beside the uncompressed row."""
+    if codec not in COMPRESSIONS:
+        raise ValueError(f"compression suffix '+{codec}' must be one of {', '.join(COMPRESSIONS)} (e.g. localsgd+bf16)")
+    if row.strategy == REFERENCE:
+        raise ValueError(
+            "ddp+<codec>: the ddp row is Lightning's own DDPStrategy under the link-emulation communication hook; "
+            "compressing its buckets would need a second hook on top of it. Compare against a compressed "
+            "lightning_sync row instead (bsp+bf16 is DDP's update with bf16 all-reduces)"
+        )
+    if any(arg.partition("=")[0] == "compression" for arg in row.cli_args) or "compression" in row.init_args:
+        raise ValueError(
+            f"{row.strategy}+{codec}: compression is also set by --strategy-arg or the recipe; set it once"
+        )
+    row.cli_args.append(f"compression={codec}")
+    row.label = f"{row.strategy}+{codec}" + (" (tuned)" if row.tuned else "")
 
 
 def _link_groups(args: argparse.Namespace) -> list[tuple[str, str | None]]:

@@ -126,6 +126,33 @@ def test_recipes_make_tuned_rows_next_to_the_default_rows(tmp_path):
     assert [r.label for r in build_rows(args, "vgg", 0.2, parser)] == ["ddp", "selsync (tuned)", "bsp"]
 
 
+def test_a_codec_suffix_adds_the_compressed_row_with_its_compression_argument(tmp_path):
+    from lightning_sync.benchmark.recipes import Recipe, write_recipe
+    from lightning_sync.compare import build_rows, parse_args
+
+    write_recipe(tmp_path / "words" / "localsgd.yaml", Recipe("localsgd", {"period": 4}))
+    argv = ["--strategies", "ddp,localsgd,localsgd+bf16,diloco+int8", "--recipes", "--recipes-dir", str(tmp_path)]
+    args, _, parser = parse_args(argv)
+    rows = build_rows(args, "words", 0.1, parser)
+    labels = [r.label for r in rows]
+    assert labels == ["ddp", "localsgd", "localsgd (tuned)", "localsgd+bf16", "localsgd+bf16 (tuned)", "diloco+int8"]
+    by_label = {r.label: r for r in rows}
+    assert by_label["localsgd"].cli_args == []  # the uncompressed row is untouched
+    assert by_label["localsgd+bf16"].cli_args == ["compression=bf16"]
+    assert by_label["localsgd+bf16 (tuned)"].cli_args == ["compression=bf16"]
+    assert by_label["localsgd+bf16 (tuned)"].init_args == {"period": 4}
+    assert by_label["diloco+int8"].cli_args == ["compression=int8"] and by_label["diloco+int8"].strategy == "diloco"
+    # rows that cannot run say why in the table; the others still run
+    args, _, parser = parse_args(
+        ["--strategies", "ddp+bf16,bsp+fp8,bsp+bf16", "--strategy-arg", "bsp.compression=fp16"]
+    )
+    rows = build_rows(args, "words", 0.1, parser)
+    assert [r.label for r in rows] == ["ddp+bf16", "bsp+fp8", "bsp+bf16"]
+    assert "Lightning's own DDPStrategy" in rows[0].error
+    assert "must be one of bf16, fp16, int8" in rows[1].error
+    assert "set it once" in rows[2].error
+
+
 def test_bad_arguments_fail_before_any_run(tmp_path, capsys):
     import re
 
