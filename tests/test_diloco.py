@@ -71,6 +71,26 @@ def _suite(rank: int, out_dir: str) -> None:
         "diloco", DiLoCoStrategy(sync_every=H, outer_optimizer=NESTEROV, fragments=1, delay=0, verify_sync=True), **f64
     )
     res["diloco"] = {"outer_steps": tr.strategy.outer.steps, "verify_ops": tr.strategy.comm_stats.ops["verify"]}
+    # 2b. compressed plain DiLoCo (bf16 changes since the last global model, int8 with error feedback) is the
+    #     periodic strategies' compressed averaging path with the same outer optimizer; bytes are the wire's
+    for codec in ("bf16", "int8"):
+        ref = LocalSGDAfterEveryH(period=H, outer_optimizer=NESTEROV, compression=codec)
+        fit(f"plain_diloco_{codec}", ref, **f64)
+        tr = fit(
+            f"diloco_{codec}",
+            DiLoCoStrategy(sync_every=H, outer_optimizer=NESTEROV, compression=codec, verify_sync=True),
+            **f64,
+        )
+        stats = tr.strategy.comm_stats
+        res[f"diloco_{codec}"] = {
+            "bytes": [stats.bytes_sent["params"], stats.bytes_sent["final"]],
+            "ops": [stats.ops["params"], stats.ops["final"]],
+            "ref_bytes": [ref.comm_stats.bytes_sent["params"], ref.comm_stats.bytes_sent["final"]],
+            "numel": [
+                sum(t.numel() for t in tr.lightning_module.parameters())
+                + sum(b.numel() for b in tr.lightning_module.buffers() if b.is_floating_point())
+            ],  # one flat group (one dtype, one device)
+        }
     # 3. the shared path on the periodic family: outer lr 1 reproduces plain averaging bit for bit (ADPSGD's S_k is
     #    measured against the mean before the outer step, so its periods are the same too; FedAvg averages one of the
     #    two ranks per round, SelSync with delta 0 syncs every step)
@@ -190,6 +210,38 @@ def test_one_fragment_without_delay_equals_plain_diloco(suite):
     # the outer optimizer really changes the trajectory (not plain averaging), and the replicas end identical
     assert max_diff(_load(out, "diloco"), _load(out, "diloco_lr1")) > 1e-4
     assert max_diff(_load(out, "diloco", 0), _load(out, "diloco", 1)) == 0.0
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_compressed_plain_diloco_is_the_periodic_compressed_path_and_counts_wire_bytes(suite, codec):
+    from lightning_sync.comm.compression import wire_format
+    from lightning_sync.comm.cost import compressed_allreduce_bytes
+
+    out, res = suite
+    for rank in range(WORLD):
+        a, b = _load(out, f"diloco_{codec}", rank), _load(out, f"plain_diloco_{codec}", rank)
+        assert_equal_in_exact_arithmetic(a, b, K, f"DiLoCo({codec}) vs the periodic compressed path")
+        assert max_diff(_load(out, f"diloco_{codec}", 0), a) == 0.0  # identical global models
+    fmt = wire_format(codec)
+    per_sync = sum(
+        sum(compressed_allreduce_bytes(n, fmt.element_size, WORLD, fmt.block, fmt.scale_bytes))
+        for n in res[0][f"diloco_{codec}"]["numel"]
+    )
+    for r in res:
+        m = r[f"diloco_{codec}"]
+        assert m["bytes"] == [3 * per_sync, per_sync]  # 3 syncs (steps 2, 5, 8) and the final one, all compressed
+        assert m["bytes"] == m["ref_bytes"]
+    # the compressed mean moves the trajectory a little, not a lot, from the exact one
+    assert 0 < max_diff(_load(out, f"diloco_{codec}"), _load(out, "diloco")) < 0.05
+
+
+def test_diloco_refuses_compression_with_streaming():
+    from lightning_sync import DiLoCoStrategy
+
+    for kw in (dict(fragments=2), dict(delay=1), dict(alpha=0.5)):
+        with pytest.raises(ValueError, match=r"compression='bf16' needs plain DiLoCo \(fragments=1, delay=0"):
+            DiLoCoStrategy(sync_every=4, compression="bf16", **kw)
+    assert DiLoCoStrategy(sync_every=4, compression="int8").compression == "int8"
 
 
 @pytest.mark.parametrize("name", ["localsgd", "adpsgd", "fedavg", "selsync"])

@@ -609,15 +609,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         outer_optimizer=_OUTER,
     ),
     DiLoCoStrategy: _with(
-        base_specs(),
-        compression=Arg(
-            allowed="None (the fragment all-reduces are not compressed: LocalSGDStrategy with an outer optimizer is)",
-            valid=st.none(),
-            invalid=st.one_of(st.sampled_from(["bf16", "fp16", "int8", "BF16", ""]), st.integers(), _ANY_FLOAT, _JUNK),
-            message=r"compression must be None",
-            edges_valid=(None,),
-            edges_invalid=("bf16", "int8"),
-        ),
+        base_specs(),  # compression as every strategy's (plain DiLoCo; streaming with it: test_diloco.py)
         sync_every=int_arg("sync_every", 1),
         outer_optimizer=_DILOCO_OUTER,
         fragments=Arg(

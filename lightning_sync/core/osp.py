@@ -91,7 +91,7 @@ def sgd_step(
     weight_decay: float = 0.0,
 ) -> Tensor | None:
     r"""One ``torch.optim.SGD`` update of ``param`` in place, as PyTorch's single-tensor path computes it:
-    :math:`d = g + \lambda w`; :math:`m = d` on the buffer's first step, else :math:`m = \mu m + (1 - 	au) d`;
+    :math:`d = g + \lambda w`; :math:`m = d` on the buffer's first step, else :math:`m = \mu m + (1 - \tau) d`;
     :math:`d = d + \mu m` with Nesterov, else :math:`d = m`; :math:`w \mathrel{-}= \eta d`. Returns the new momentum
     buffer (updated in place when one is given), or ``None`` without momentum.
 

@@ -21,7 +21,7 @@ class ASPStrategy(ParameterServerStrategy):
     gradient of the global batch). With ``update_scale="auto"`` (default) every push is scaled by :math:`1/m`
     (:math:`m` = ranks pushing), so :math:`m` pushes move the global model as one DDP step does — per-sample step
     equivalence, see :func:`~lightning_sync.core.ps.update_scale_for`; the servers apply
-    :math:`	ilde x \leftarrow 	ilde x - rac{\eta}{m} g` per push. ``update_scale=1.0`` is the papers' literal ASP
+    :math:`\tilde x \leftarrow \tilde x - \frac{\eta}{m} g` per push. ``update_scale=1.0`` is the papers' literal ASP
     (Hogwild: each worker's full step), which needs a rate tuned down by about :math:`m`.
     See :class:`~lightning_sync.strategies.ps.ParameterServerStrategy` for sharding, work assignment, checkpoints
     and what Lightning features are supported.

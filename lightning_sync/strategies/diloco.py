@@ -91,6 +91,13 @@ class DiLoCoStrategy(SyncStrategy):
     last sync (a fragment synced at the last step takes :math:`\theta_{global}`): the model handed back is the global
     model one more sync would give, identical on every rank. Nothing happens when the last step synced everything.
 
+    **Compression** (``compression="bf16" | "fp16" | "int8"``, plain DiLoCo only): each sync sends every rank's
+    change since the last global model in the wire format (the periodic strategies' compressed averaging, fp32
+    sums, int8 with error feedback), the outer step runs on the exact mean of those, and the new
+    :math:`\theta_{global}` becomes the reference of the next sync; the final sync is compressed too. Streaming's
+    overlapped fragment all-reduces are not compressed: ``fragments > 1``, ``delay > 0`` or ``alpha > 0`` with a
+    compression raise at construction.
+
     **Checkpoints** hold :math:`\theta_{global}`, the outer momentum, the step (hence the fragment schedule) and the
     fragment in flight: saving waits for its all-reduce to *complete* and stores the result, which the resumed run
     applies at the step it was due — the same trajectory as without the checkpoint (resume is bit-identical,
@@ -146,12 +153,11 @@ class DiLoCoStrategy(SyncStrategy):
         self.outer_config = None if self.outer_auto else parse_outer_optimizer(outer_optimizer)
         self._saved_outer: tuple[dict[str, Any] | None] | None = None  # a checkpoint's outer state, until chosen
         self.average_at_end = check_bool("average_at_end", average_at_end)
-        if kwargs.get("compression") is not None:
+        if kwargs.get("compression") is not None and (self.fragments > 1 or self.delay > 0 or self.alpha != 0.0):
             raise ValueError(
-                f"compression must be None for DiLoCoStrategy, got {kwargs['compression']!r}: its (streaming) fragment "
-                "all-reduces are not compressed. For compressed DiLoCo use LocalSGDStrategy(period=H, "
-                "outer_optimizer={'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}, compression=...), "
-                "whose averaging is compressed."
+                f"compression={kwargs['compression']!r} needs plain DiLoCo (fragments=1, delay=0, alpha=0), got "
+                f"fragments={self.fragments}, delay={self.delay}, alpha={self.alpha}: the streaming fragments' "
+                "overlapped all-reduces are not compressed. Use plain DiLoCo with compression, or streaming without it."
             )
         super().__init__(**kwargs)
         #: plain DiLoCo: all-reduce each fragment in place and apply it at once (no send buffer)
@@ -256,7 +262,9 @@ class DiLoCoStrategy(SyncStrategy):
             else:
                 buffers.append(self._send[part.group][: region.numel()].copy_(region))
         handles: list[CommHandle] = []
-        if self._stream_comm is None:
+        if self.compressor is not None and self.world_size > 1:  # plain DiLoCo: the buffers are the whole state
+            self._average_state_compressed([b for b in buffers if b.numel()], "params", None)  # as state_tensors()
+        elif self._stream_comm is None:
             self.comm.all_reduce_many(buffers, op="avg", tag="params")
         else:
             handles = [self._stream_comm.all_reduce(b, op="avg", tag="params", async_op=True) for b in buffers]
@@ -278,6 +286,9 @@ class DiLoCoStrategy(SyncStrategy):
                 n = part.param_end - part.start
                 if self.outer is not None and n:
                     self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
+            if self._reference is not None:  # compressed: the next changes are taken from the new global model
+                for ref, buf in zip(self._reference, [b for b in pending.buffers if b.numel()]):
+                    ref.copy_(buf)
             if self.verify_sync:
                 self._verify(pending.buffers, f"global parameters of fragment {pending.fragment} after its sync")
             if not self._in_place:
@@ -306,7 +317,10 @@ class DiLoCoStrategy(SyncStrategy):
         if not any(since) and (self.delay == 0 or self.alpha == 0.0):
             return  # every fragment synced at the last step and was taken as is: the replicas hold the global model
         tensors = self.flat.state_tensors()
-        self.comm.all_reduce_many(tensors, op="avg", tag="final")
+        if self.compressor is not None and self.world_size > 1:
+            self._average_state_compressed(tensors, "final", None)
+        else:
+            self.comm.all_reduce_many(tensors, op="avg", tag="final")
         if self.outer is not None:
             inner_lr = self._inner_lr()
             with torch.no_grad():
