@@ -48,8 +48,8 @@ class SelSyncStrategy(SyncStrategy):
     finite) is read once, after the local update — the first point where the host needs the answer, to decide
     whether to average. When the gradients are on the CPU the host *is* the device: reading the norm stalls no
     queue, so the decision uses the host :class:`~lightning_sync.core.GradientChangeTracker` (the same arithmetic,
-    bit for bit, and the same checkpoint format) instead of ~20 small tensor operations per step (0.2-0.3 ms of a
-    12 ms CPU step, timed in ``benchmarks/overhead.py``'s two-rank digits case). Gradient aggregation needs the
+    bit for bit, and the same checkpoint format) instead of ~20 small tensor operations per step (the largest part
+    of SelSync's per-step work on a small CPU model; ``benchmarks/overhead.py`` part 2). Gradient aggregation needs the
     answer *before* the update, so it costs what the order of Alg. 1 implies: the norm needs the whole backward,
     the vote a round trip and a host read of it, and only then can the gradients (one all-reduce, not overlapped
     with backward) go; a local step still pays the vote's round trip before its update.
