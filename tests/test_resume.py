@@ -19,8 +19,8 @@ from a checkpoint of the same run, then the tests compare them:
   (the switch happens at the same step and position, with bit-identical replicas); one in the ASP phase restores the
   state exactly, as the asynchronous strategies.
 * **Compressed** (``compression="int8"``: per-rank error-feedback residuals, and the reference of compressed parameter
-  averaging): BSP and local SGD resume exactly like their uncompressed runs, ASP restores its state (the push
-  residuals included) exactly.
+  averaging): BSP, local SGD and plain DiLoCo resume exactly like their uncompressed runs, ASP restores its state
+  (the push residuals included) exactly.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TIMEOUT = timedelta(seconds=120)
 EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco")
 ASYNC = ("asp", "ssp", "aladdin")
 #: compressed cases (int8: residuals and the averaging reference are per-rank state), run like EXACT and ASYNC
-COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8")
+COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8", "diloco_int8")
 COMPRESSED_ASYNC = ("asp_int8",)
 #: state entries that are wall-clock measurements, not trajectory (per-tag blocked seconds, measured times)
 TIME_KEYS = frozenset({"blocked_seconds", "blocked_s", "seconds", "ics_wait_s", "overlap"})
@@ -72,6 +72,8 @@ def _strategy(name: str):
         "bsp_int8": lambda: S.BSPStrategy(compression="int8", **sync),
         "localsgd_int8": lambda: S.LocalSGDStrategy(period=3, compression="int8", **sync),
         "asp_int8": lambda: S.ASPStrategy(compression="int8", **common),
+        # plain DiLoCo (its default outer optimizer, chosen at setup) with int8: outer state, residuals, reference
+        "diloco_int8": lambda: S.DiLoCoStrategy(sync_every=4, compression="int8", **sync),
     }[name]()
 
 
@@ -319,7 +321,7 @@ def test_compressed_checkpoint_parts_hold_the_error_feedback_residuals(suite, na
     mine, theirs = parts[0]["residuals"]["feedback"], parts[1]["residuals"]["feedback"]
     for key in set(mine) & set(theirs):
         assert not torch.equal(mine[key]["worker"], theirs[key]["worker"])
-    if name == "localsgd_int8":
+    if name in ("localsgd_int8", "diloco_int8"):
         assert all(torch.equal(a, b) for a, b in zip(parts[0]["reference"], parts[1]["reference"]))
     else:
         assert parts[0]["reference"] is None  # BSP and ASP never average parameters

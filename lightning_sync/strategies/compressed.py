@@ -77,6 +77,13 @@ class CompressedAveraging:
             t.add_(ref)
             ref.copy_(t)
 
+    def _take_reference(self, tensors: list[Tensor]) -> None:
+        """With compressed parameter averaging, make ``tensors`` (what every rank holds after a sync, e.g. the new
+        global model of an outer step) the reference the next sync's changes are taken from."""
+        if self._reference is not None:
+            for ref, t in zip(self._reference, tensors):
+                ref.copy_(t)
+
     def _average_grads_compressed(self, comm: Communicator, tag: str) -> list[Tensor]:
         """Compressed :meth:`average_grads`: each flat gradient buffer through a compressed all-reduce (int8 with the
         error-feedback stream ``grads/<i>``); the floating buffers (BatchNorm statistics: state, not increments, and

@@ -286,9 +286,7 @@ class DiLoCoStrategy(SyncStrategy):
                 n = part.param_end - part.start
                 if self.outer is not None and n:
                     self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
-            if self._reference is not None:  # compressed: the next changes are taken from the new global model
-                for ref, buf in zip(self._reference, [b for b in pending.buffers if b.numel()]):
-                    ref.copy_(buf)
+            self._take_reference([b for b in pending.buffers if b.numel()])  # compressed: from the new global model
             if self.verify_sync:
                 self._verify(pending.buffers, f"global parameters of fragment {pending.fragment} after its sync")
             if not self._in_place:

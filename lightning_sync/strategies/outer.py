@@ -55,9 +55,7 @@ class OuterAveraging:
             if g.param_numel:
                 self.outer.step(g.state[: g.param_numel], index, inner_lr=inner_lr)
         self._updates_since_average = 0
-        if self._reference is not None:  # compressed: the next changes are taken from what every rank now holds
-            for ref, t in zip(self._reference, tensors):
-                ref.copy_(t)
+        self._take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
 
     def _average_at_end(self) -> None:
         r"""``average_at_end``: hand back the global model, not rank 0's replica. Without an outer optimizer, the
