@@ -3,10 +3,13 @@
     python benchmarks/lr_defaults.py                          # seeds 1-5, 3 epochs, 4 processes: ~10 min on 2 cores
     python benchmarks/lr_defaults.py --seeds 1 2 --warmup 0   # without the warm-up rows
     python benchmarks/lr_defaults.py --old                    # the papers' literal rates (before issue 17)
+    python benchmarks/lr_defaults.py --warmup 0 --momentum    # the workers' momentum: derived ('auto') vs the user's
+    python benchmarks/lr_defaults.py --seeds 1 2 3 --warmup 0 --sweep   # ASP at fixed worker momenta
 
 The text workload's packaged configuration (``lightning-sync compare --workload text``: a character Transformer, SGD
 lr 0.1, momentum 0.9, its data) trained ``--epochs`` epochs by BSP, ASP, SSP, ALADDIN and Sync-Switch at their
-defaults — pushes scaled by 1/m, Sync-Switch's BSP phase at the user's rate — and, for ASP and Sync-Switch, with the
+defaults — pushes scaled by 1/m, ASP's and SSP's workers at the momentum derived from the user's
+(``worker_momentum="auto"``), Sync-Switch's BSP phase at the user's rate — and, for ASP and Sync-Switch, with the
 optional linear warm-up of the pushes (``warmup_steps=--warmup``). ``--old`` adds the literal configurations
 (``update_scale=1.0``; Sync-Switch ``bsp_lr_scale=None``), which is what the strategies did before. Every fit of one
 seed runs in the same 4 torchrun-style processes (``torch.set_num_threads(1)`` each: 4 ranks on 2 cores), one seed
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _variants(warmup: int, old: bool) -> list[tuple[str, str, dict[str, Any]]]:
+def _variants(warmup: int, old: bool, momentum: bool, sweep: bool) -> list[tuple[str, str, dict[str, Any]]]:
     rows: list[tuple[str, str, dict[str, Any]]] = [
         ("BSP", "bsp", {}),
         ("ASP", "asp", {}),
@@ -39,6 +42,18 @@ def _variants(warmup: int, old: bool) -> list[tuple[str, str, dict[str, Any]]]:
             (f"ASP(warmup {warmup})", "asp", {"warmup_steps": warmup}),
             (f"Sync-Switch(warmup {warmup})", "sync_switch", {"warmup_steps": warmup}),
         ]
+    if momentum:
+        rows += [
+            ("ASP(worker_momentum=None)", "asp", {"worker_momentum": None}),
+            ("SSP(worker_momentum=None)", "ssp", {"worker_momentum": None}),
+            ("Sync-Switch(worker_momentum='auto')", "sync_switch", {"worker_momentum": "auto"}),
+        ]
+    if sweep:  # how worker_momentum="auto"'s slope was chosen: ASP's workers at fixed momenta (the user's is 0.9)
+        rows += [(f"ASP(worker_momentum={mu})", "asp", {"worker_momentum": mu}) for mu in (0.9, 0.8, 0.6)]
+        # the steady-state step of momentum 0.75, (1 - 0.9) / (1 - 0.75) = 0.4 of 0.9's, with the momentum kept
+        rows.append(
+            ("ASP(worker_momentum=None, update_scale=0.4/m)", "asp", {"worker_momentum": None, "update_scale": 0.1})
+        )
     if old:
         rows += [
             ("ASP(update_scale=1)", "asp", {"update_scale": 1.0}),
@@ -48,7 +63,9 @@ def _variants(warmup: int, old: bool) -> list[tuple[str, str, dict[str, Any]]]:
     return rows
 
 
-def _worker(rank: int, out_dir: str, seeds: list[int], epochs: int, warmup: int, old: bool) -> None:
+def _worker(
+    rank: int, out_dir: str, seeds: list[int], epochs: int, warmup: int, old: bool, momentum: bool, sweep: bool
+) -> None:
     import lightning.pytorch as pl
     import yaml
     from lightning.pytorch.strategies import StrategyRegistry
@@ -62,7 +79,7 @@ def _worker(rank: int, out_dir: str, seeds: list[int], epochs: int, warmup: int,
     config = yaml.safe_load(packaged_config("text").read_text())
     results = []
     for seed in seeds:
-        for label, name, kwargs in _variants(warmup, old):
+        for label, name, kwargs in _variants(warmup, old, momentum, sweep):
             entry = StrategyRegistry[name]
             strategy = entry["strategy"](**{**entry["init_params"], **kwargs})
             pl.seed_everything(seed)
@@ -90,12 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=30, help="warm-up rows' warmup_steps (0: no warm-up rows)")
     parser.add_argument("--old", action="store_true", help="add the papers' literal configurations")
+    parser.add_argument(
+        "--momentum",
+        action="store_true",
+        help="add ASP/SSP at the user's momentum (worker_momentum=None: before) and Sync-Switch with 'auto'",
+    )
+    parser.add_argument("--sweep", action="store_true", help="add ASP at fixed worker momenta (how 'auto' was chosen)")
     args = parser.parse_args(argv)
 
     from lightning_sync.launch import launch_local
 
     with tempfile.TemporaryDirectory() as out:
-        launch_local(_worker, 4, out, args.seeds, args.epochs, args.warmup, args.old, threads=1)
+        launch_local(
+            _worker, 4, out, args.seeds, args.epochs, args.warmup, args.old, args.momentum, args.sweep, threads=1
+        )
         results = json.loads(Path(out, "res_rank0.json").read_text())
     bsp = {r["seed"]: r["test_ppl"] for r in results if r["row"] == "BSP"}
     labels = list(dict.fromkeys(r["row"] for r in results))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -186,6 +187,25 @@ def test_update_scale_is_one_over_the_pushers_by_default():
             update_scale_for(bad, 4)
     assert [warmup_factor(k, 4) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_factor(0, 0) == 1.0
+
+
+def test_worker_momentum_auto_widens_the_gap_to_one_by_m_plus_one_over_two():
+    from lightning_sync.core.ps import worker_momentum_for
+
+    assert worker_momentum_for("auto", 0.9, 1) == pytest.approx(0.9)  # one worker: no asynchrony, DDP's momentum
+    assert worker_momentum_for("auto", 0.9, 4) == pytest.approx(0.75)  # 1 - 0.1 * 5/2
+    assert worker_momentum_for("auto", 0.9, 10) == pytest.approx(0.45)
+    assert worker_momentum_for("auto", 0.9, 19) == pytest.approx(0.0, abs=1e-12)  # (0.9 is not exact in binary)
+    assert worker_momentum_for("auto", 0.9, 64) == 0.0
+    assert worker_momentum_for("auto", 0.0, 4) == 0.0  # no momentum stays none
+    ms = [worker_momentum_for("auto", 0.99, m) for m in range(1, 40)]
+    assert all(a >= b for a, b in zip(ms, ms[1:]))  # never more momentum for more workers
+    assert worker_momentum_for(None, 0.9, 4) == 0.9  # the user's, unchanged
+    assert worker_momentum_for(0.5, 0.9, 4) == 0.5
+    message = re.escape("worker_momentum must be 'auto', None or a number in [0.0, 1.0)")
+    for bad in ("AUTO", 1.0, -0.1, math.nan, True, "0.5"):
+        with pytest.raises(ValueError, match=message):
+            worker_momentum_for(bad, 0.9, 4)
 
 
 def test_m_pushes_scaled_by_auto_move_the_server_as_one_averaged_step():

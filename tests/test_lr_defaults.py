@@ -2,10 +2,11 @@
 
 The text workload's packaged configuration (``lightning_sync/configs/compare_text.yaml``: a character Transformer,
 SGD lr 0.1, momentum 0.9) diverged under ASP, SSP and Sync-Switch when each push was a worker's full step
-(perplexity ``inf``). With the DDP-anchored defaults (pushes scaled by 1/m, Sync-Switch's BSP phase at the user's
-rate) every asynchronous row must end with a finite test perplexity close to BSP's. One set of 4 torchrun-style
-processes runs the five fits (the import is paid once); the model, data and learning rate are the packaged
-configuration's, the budget is reduced to ``EPOCHS`` epochs (the config's is a time-to-target budget).
+(perplexity ``inf``). With the DDP-anchored defaults (pushes scaled by 1/m, ASP's and SSP's workers at the momentum
+derived from the user's, Sync-Switch's BSP phase at the user's rate) every asynchronous row must end with a finite
+test perplexity close to BSP's. One set of 4 torchrun-style processes runs the five fits (the import is paid
+once); the model, data and learning rate are the packaged configuration's, the budget is reduced to ``EPOCHS``
+epochs (the config's is a time-to-target budget).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from launch import run_suite
 
 WORLD = 4
 STRATEGIES = ("bsp", "asp", "ssp", "aladdin", "sync_switch")
-#: How far above BSP's test perplexity a row may end. Issue 17 asks for 15%; measured at this budget
-#: (``python benchmarks/lr_defaults.py --seeds 1 2 3 --old``: 4 processes on 2 cores) single runs ended 1.08-1.29x
-#: BSP's for ASP (mean 1.20x), 1.07-1.21x for SSP, 1.01-1.03x for ALADDIN, 1.03-1.16x for Sync-Switch — the push order,
-#: hence the staleness, follows the OS's scheduling of the 4 processes — and the papers' literal rates (the defaults
-#: before issue 17) diverged (nan/inf) in 8 of 9 runs. So this is a guard against divergence and gross degradation at
-#: DDP's rate, not a check of the 15% (README, "Learning rates", has the table).
-MARGIN = 0.5
+#: How far above BSP's test perplexity one run may end. Measured at this budget with the defaults
+#: (``python benchmarks/lr_defaults.py --warmup 0 --momentum``: seeds 1-5, 4 processes on 2 cores), the ratio to
+#: BSP's of the same seed: ASP 1.07-1.16x (mean 1.12x), SSP 1.06-1.15x (1.10x), ALADDIN 1.01-1.04x (1.02x),
+#: Sync-Switch 1.04-1.28x (1.13x) — the push order, hence the staleness, follows the OS's scheduling of the 4
+#: processes, so single runs spread. Issue 17's 15% holds for the means; one run is allowed 30% (the largest single
+#: run measured is 1.28x). The papers' literal rates (the defaults before issue 17) diverged (nan/inf) in 8 of 9 runs.
+MARGIN = 0.3
 #: the reduced budget (epochs of the packaged data)
 EPOCHS = 3
 

@@ -165,6 +165,22 @@ def _suite(rank: int, out_dir: str) -> None:
         fit(strategy, limit_train_batches=8)
         res[f"scale_{name}"] = {"errors": strategy.rows, "norms": strategy.norms}
 
+    # 6. the workers' momentum: "auto" steps with the rule's value, the user's is back after every step (issue 17)
+    class RecordMomentum(ASPStrategy):
+        def _exchange(self, delta, epoch):  # inside the optimizer step, after the update
+            self.during.append(self.lightning_module.trainer.optimizers[0].param_groups[0]["momentum"])
+            return super()._exchange(delta, epoch)
+
+    for name, kwargs in (("auto", {}), ("none", {"worker_momentum": None}), ("given", {"worker_momentum": 0.3})):
+        strategy = RecordMomentum(timeout=TIMEOUT, **kwargs)
+        strategy.during = []
+        tr, _ = fit(strategy, limit_train_batches=4)
+        res[f"momentum_{name}"] = {
+            "during": strategy.during,
+            "after": tr.optimizers[0].param_groups[0]["momentum"],
+            "metric": strategy.sync_metrics().get("worker_momentum"),
+        }
+
     res["done_at"] = time.time()
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
@@ -174,6 +190,19 @@ def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("ps_strategies")
     res = run_suite(_suite, WORLD, out)
     return res, time.time()
+
+
+def test_workers_step_with_the_derived_momentum_and_the_users_is_restored(suite):
+    res, _ = suite
+    for r in res:
+        # DigitsCNN's momentum 0.9, 2 ranks pushing: 1 - 0.1 * 3/2 = 0.85 during every step
+        assert r["momentum_auto"]["during"] == [pytest.approx(0.85)] * len(r["momentum_auto"]["during"])
+        assert len(r["momentum_auto"]["during"]) >= 1
+        assert r["momentum_none"]["during"] and set(r["momentum_none"]["during"]) == {0.9}
+        assert r["momentum_given"]["during"] and set(r["momentum_given"]["during"]) == {0.3}
+        assert r["momentum_auto"]["metric"] == pytest.approx(0.85) and r["momentum_none"]["metric"] is None
+        for name in ("auto", "none", "given"):
+            assert r[f"momentum_{name}"]["after"] == 0.9  # schedulers and checkpoints see the user's value
 
 
 def test_straggler_does_not_gate_asp_or_aladdin(suite):

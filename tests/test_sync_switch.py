@@ -36,7 +36,9 @@ def _checksum(model: torch.nn.Module) -> list[float]:
     return [float(flat.sum()), float((flat * torch.arange(flat.numel(), dtype=torch.float64)).sum())]
 
 
-def _fit(world: int, callbacks: list, epochs: int = EPOCHS, **model_kw) -> tuple[pl.Trainer, SyncSwitchStrategy]:
+def _fit(
+    world: int, callbacks: list, epochs: int = EPOCHS, strategy_kw: dict | None = None, **model_kw
+) -> tuple[pl.Trainer, SyncSwitchStrategy]:
     from lightning.pytorch.callbacks import Callback
 
     class Observe(Callback):
@@ -44,6 +46,7 @@ def _fit(world: int, callbacks: list, epochs: int = EPOCHS, **model_kw) -> tuple
 
         def __init__(self) -> None:
             self.lrs: list[tuple[int, int, float]] = []
+            self.momenta: list[tuple[int, float]] = []
             self.at_switch: list[float] | None = None
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -52,6 +55,7 @@ def _fit(world: int, callbacks: list, epochs: int = EPOCHS, **model_kw) -> tuple
             s = trainer.strategy
             push = update_scale_for(s.update_scale, trainer.world_size) if s.protocol == "asp" else 1.0
             self.lrs.append((trainer.global_step, trainer.current_epoch, optimizer.param_groups[0]["lr"] * push))
+            self.momenta.append((trainer.global_step, optimizer.param_groups[0]["momentum"]))
 
         def on_train_batch_end(self, trainer, pl_module, *args):
             if self.at_switch is None and trainer.strategy.protocol == "asp":
@@ -59,7 +63,9 @@ def _fit(world: int, callbacks: list, epochs: int = EPOCHS, **model_kw) -> tuple
 
     pl.seed_everything(0)
     observe = Observe()
-    strategy = SyncSwitchStrategy(process_group_backend="gloo", timeout=TIMEOUT, verify_sync=True)
+    strategy = SyncSwitchStrategy(
+        process_group_backend="gloo", timeout=TIMEOUT, verify_sync=True, **(strategy_kw or {})
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -82,13 +88,22 @@ def _record(trainer: pl.Trainer, strategy: SyncSwitchStrategy, switch: SyncSwitc
         "num_batches": strategy.num_batches,
         "bsp_batches": strategy.bsp_batches,
         "lrs": trainer.observe.lrs,  # type: ignore[attr-defined]
+        "momenta": trainer.observe.momenta,  # type: ignore[attr-defined]
+        "momentum_after": trainer.optimizers[0].param_groups[0]["momentum"],
         "at_switch": trainer.observe.at_switch,  # type: ignore[attr-defined]
     }
 
 
 def _scheduled(rank: int, out_dir: str) -> None:
     switch = SyncSwitch(schedule=[("bsp", 0.25), ("asp", 1.0)])
-    trainer, strategy = _fit(2, [switch], epochs=SCHEDULED_EPOCHS, lr_milestones=[1, 2], lr_gamma=GAMMA)
+    trainer, strategy = _fit(
+        2,
+        [switch],
+        epochs=SCHEDULED_EPOCHS,
+        strategy_kw={"worker_momentum": "auto"},
+        lr_milestones=[1, 2],
+        lr_gamma=GAMMA,
+    )
     res = _record(trainer, strategy, switch)
     Path(out_dir, f"scheduled_{rank}.json").write_text(json.dumps(res))
 
@@ -156,6 +171,16 @@ def test_learning_rate_follows_the_configuration_policy_with_a_scheduler(schedul
             scheduled_lr = LR * GAMMA ** min(epoch, 2)  # MultiStepLR(milestones=[1, 2])
             factor = 1.0 if step < switch_step else 0.5  # BSP: the user's (DDP's) eta; ASP: pushes at eta / m
             assert lr == pytest.approx(scheduled_lr * factor), (step, epoch, lr)
+
+
+def test_worker_momentum_auto_applies_in_the_asp_phase_only(scheduled):
+    for res in scheduled:
+        switch_step = res["switches"][0]["step"]
+        assert len(res["momenta"]) == res["global_step"]
+        for step, momentum in res["momenta"]:
+            # BSP: the user's 0.9 (DDP's step); ASP with 2 ranks pushing: 1 - (1 - 0.9) * 3/2 = 0.85
+            assert momentum == pytest.approx(0.9 if step < switch_step else 0.85), (step, momentum)
+        assert res["momentum_after"] == 0.9  # put back after every step
 
 
 # ----------------------------------------------------------------------------------------------- online policies

@@ -511,6 +511,19 @@ _PUSH_SCALE = {
         edges_invalid=(0.0, 0, -1.0, INF, math.nan, "Auto", True),
     ),
     "warmup_steps": int_arg("warmup_steps", 0),
+    "worker_momentum": Arg(
+        allowed="'auto', None or a number in [0, 1)",
+        valid=st.one_of(st.just("auto"), st.none(), st.floats(0.0, 1.0, exclude_max=True), st.just(0)),
+        invalid=st.one_of(
+            st.floats(max_value=0.0, exclude_max=True, allow_nan=False),
+            st.floats(min_value=1.0, allow_nan=False),
+            st.sampled_from([math.nan, INF, -INF, "AUTO", "", "0.5", True, False, 1]),
+            _JUNK,
+        ),
+        message=re.escape("worker_momentum must be 'auto', None or a number in [0.0, 1.0)"),
+        edges_valid=("auto", None, 0.0, 0, 0.999999),
+        edges_invalid=(1.0, -1e-300, INF, math.nan, "Auto", True),
+    ),
 }
 _BUCKET_CAP = real_arg(
     "bucket_cap_mb",

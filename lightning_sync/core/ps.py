@@ -55,6 +55,39 @@ def update_scale_for(update_scale: float | str, pushers: int) -> float:
         raise ValueError(f"update_scale must be 'auto' (1/m) or a number in (0.0, inf), got {update_scale!r}") from None
 
 
+def worker_momentum_for(worker_momentum: float | str | None, user_momentum: float, pushers: int) -> float:
+    r"""The momentum a worker's own optimizer steps with under asynchronous pushes (ASP, SSP; opt-in for
+    Sync-Switch's ASP phase), from the user's (DDP's) momentum :math:`\mu` and the number of ranks pushing :math:`m`.
+
+    Asynchrony begets momentum (Mitliagkas et al., 2016, Thm. 3): with :math:`m` workers pushing in turn, the
+    expected update of the global model carries an implicit momentum :math:`1 - 1/m` on top of the workers' own.
+    The momentum DDP trains well with is then too much: stale updates overshoot. ``"auto"`` lowers the workers'
+    momentum by widening its gap to 1 linearly in :math:`m`, as the time constant of the implicit momentum,
+    :math:`1/(1 - (1 - 1/m)) = m`, grows:
+
+    .. math:: 1 - \mu_w = \min\bigl(1, (1 - \mu)\,\tfrac{m + 1}{2}\bigr)
+
+    so one worker (:math:`m = 1`) keeps :math:`\mu`, and :math:`\mu = 0.9` becomes 0.75 for 4 workers, 0.45 for
+    10 and 0 from 19 on. The slope 1/2 is calibrated, not derived: ``benchmarks/lr_defaults.py`` measured it on
+    the text workload (README, "Learning rates"). ``None`` keeps the user's momentum (the behaviour before); a number in
+    ``[0, 1)`` is used as given.
+    """
+    pushers = check_int("pushers", pushers, 1)
+    user_momentum = check_real("user_momentum", user_momentum, 0.0, 1.0, high_open=True)
+    if worker_momentum is None:
+        return user_momentum
+    if isinstance(worker_momentum, str):
+        if worker_momentum != "auto":
+            raise ValueError(f"worker_momentum must be 'auto', None or a number in [0.0, 1.0), got {worker_momentum!r}")
+        return 1.0 - min(1.0, (1.0 - user_momentum) * (pushers + 1) / 2)
+    try:
+        return check_real("worker_momentum", worker_momentum, 0.0, 1.0, high_open=True)
+    except ValueError:
+        raise ValueError(
+            f"worker_momentum must be 'auto', None or a number in [0.0, 1.0), got {worker_momentum!r}"
+        ) from None
+
+
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """Linear warm-up from 0: ``(step + 1) / warmup_steps`` for the 0-based ``step < warmup_steps``, then 1."""
     step = check_int("step", step, 0)

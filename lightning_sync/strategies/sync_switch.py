@@ -74,6 +74,9 @@ class SyncSwitchStrategy(ASPStrategy):
         update_scale: factor of every pushed update under ASP: ``"auto"`` (default, ``1/m``, ``m`` = ranks pushing)
             or a number > 0 (``1.0``: the paper's literal ASP). See :class:`ASPStrategy`.
         warmup_steps: pushes over which the ASP phase's update scale ramps linearly from 0 (0 = off).
+        worker_momentum: the workers' momentum in the ASP phase: ``None`` (default: the user's, unchanged — the
+            paper keeps momentum across the switch), ``"auto"`` or a number in ``[0, 1)``, as
+            :class:`ASPStrategy`'s.
         shard_size: largest parameter-server shard, in elements.
         bucket_cap_mb: bucket size in MiB of the BSP phase's gradient all-reduce, overlapped with backward as
             :class:`~lightning_sync.strategies.BSPStrategy`'s (a number > 0; ``None``: after backward, no overlap).
@@ -93,6 +96,7 @@ class SyncSwitchStrategy(ASPStrategy):
         asp_lr_scale: float = 1.0,
         update_scale: float | Literal["auto"] = "auto",
         warmup_steps: int = 0,
+        worker_momentum: float | Literal["auto"] | None = None,
         shard_size: int = 1 << 22,
         bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
         **kwargs: Any,
@@ -102,7 +106,13 @@ class SyncSwitchStrategy(ASPStrategy):
             bsp_lr_scale = check_real("bsp_lr_scale", bsp_lr_scale, 0.0, low_open=True)
         self.bsp_lr_scale = bsp_lr_scale
         self.asp_lr_scale = check_real("asp_lr_scale", asp_lr_scale, 0.0, low_open=True)
-        super().__init__(update_scale=update_scale, warmup_steps=warmup_steps, shard_size=shard_size, **kwargs)
+        super().__init__(
+            update_scale=update_scale,
+            warmup_steps=warmup_steps,
+            worker_momentum=worker_momentum,
+            shard_size=shard_size,
+            **kwargs,
+        )
         self.protocol = "bsp"
         self._next_protocol: str | None = None  # decided at an epoch end for the next epoch
         self._bsp_comm: Communicator | None = None  # a subgroup while ranks are excluded; None: self.comm
@@ -236,6 +246,9 @@ class SyncSwitchStrategy(ASPStrategy):
             for group, lr in zip(optimizer.param_groups, saved):
                 group["lr"] = lr
             self._measure()
+
+    def _pushes_this_step(self) -> bool:
+        return self.protocol == "asp" and not self._local_step
 
     def _overlap_grads(self) -> tuple[Communicator, str] | None:
         # the protocol and the BSP group change between steps only (the callback acts at batch ends)
