@@ -385,6 +385,19 @@ def test_other_per_step_collectives_raise_a_clear_error(single_process, what, ma
         _fit_local(ALADDINStrategy(), model=_CollectivesInStep(what))
 
 
+class _Adam(DigitsCNN):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_given_worker_momentum_needs_an_optimizer_with_momentum(single_process):
+    with pytest.raises(ValueError, match=r"worker_momentum=0.5 needs an optimizer with a 'momentum' entry.*Adam"):
+        _fit_local(ASPStrategy(worker_momentum=0.5), model=_Adam(), limit_train_batches=2)
+    trainer = _fit_local(ASPStrategy(), model=_Adam(), limit_train_batches=2)  # "auto": Adam is left as it is
+    assert trainer.optimizers[0].param_groups[0]["betas"] == (0.9, 0.999)
+    assert "worker_momentum" not in trainer.strategy.sync_metrics()
+
+
 def test_seldp_is_rejected(single_process):
     from lightning_sync.callbacks import SelDP
 
