@@ -403,3 +403,19 @@ def test_seldp_is_rejected(single_process):
 
     with pytest.raises(ValueError, match="SelDP"):
         _fit_local(SSPStrategy(), callbacks=[SelDP()])
+
+
+def test_for_the_step_sets_groups_that_have_the_key_and_restores_them_even_on_error():
+    from lightning_sync.strategies.param_groups import for_the_step
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([{"params": [w], "momentum": 0.9}, {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with for_the_step(sgd, "momentum", lambda mu: mu / 2) as own:
+            assert own == [0.9, 0.0]
+            assert [g["momentum"] for g in sgd.param_groups] == [0.45, 0.0]
+            raise RuntimeError("boom")
+    assert [g["momentum"] for g in sgd.param_groups] == [0.9, 0.0]
+    adam = torch.optim.Adam([w])
+    with for_the_step(adam, "momentum", lambda mu: 0.0) as own:
+        assert own == [] and "momentum" not in adam.param_groups[0]

@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 from lightning_sync.core.ps import update_scale_for, warmup_factor, worker_momentum_for
 from lightning_sync.core.validation import check_int
+from lightning_sync.strategies.param_groups import for_the_step
 from lightning_sync.strategies.ps import ParameterServerStrategy
 
 
@@ -72,33 +73,26 @@ class ASPStrategy(ParameterServerStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.worker_momentum is None or not self._pushes_this_step():
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        saved = []
-        for group in optimizer.param_groups:
-            if "momentum" in group:
-                saved.append((group, group["momentum"]))
-                group["momentum"] = worker_momentum_for(self.worker_momentum, group["momentum"], self.world_size)
-        if saved:
-            self._momentum_used = saved[0][0]["momentum"]
-        elif self.worker_momentum != "auto":
-            raise ValueError(
-                f"worker_momentum={self.worker_momentum!r} needs an optimizer with a 'momentum' entry in its parameter "
-                f"groups (SGD, RMSprop); {type(optimizer).__name__} has none: pass worker_momentum=None (or 'auto', "
-                "which leaves such an optimizer as it is)"
-            )
-        if not self._momentum_told:
-            self._momentum_told = True
-            rank_zero_info(
-                f"{type(self).__name__}: workers step with momentum {self._momentum_used} (worker_momentum="
-                f"{self.worker_momentum!r}, the user's {saved[0][1]}, {self.world_size} ranks pushing)"
-                if saved
-                else f"{type(self).__name__}: {type(optimizer).__name__} has no 'momentum' in its parameter groups; "
-                "worker_momentum leaves it as it is"
-            )
-        try:
+        m = self.world_size
+        with for_the_step(optimizer, "momentum", lambda mu: worker_momentum_for(self.worker_momentum, mu, m)) as own:
+            if own:
+                self._momentum_used = worker_momentum_for(self.worker_momentum, own[0], m)
+            elif self.worker_momentum != "auto":
+                raise ValueError(
+                    f"worker_momentum={self.worker_momentum!r} needs an optimizer with a 'momentum' entry in its "
+                    f"parameter groups (SGD, RMSprop); {type(optimizer).__name__} has none: pass worker_momentum=None "
+                    "(or 'auto', which leaves such an optimizer as it is)"
+                )
+            if not self._momentum_told:
+                self._momentum_told = True
+                rank_zero_info(
+                    f"{type(self).__name__}: workers step with momentum {self._momentum_used} (worker_momentum="
+                    f"{self.worker_momentum!r}, the user's {own[0]}, {m} ranks pushing)"
+                    if own
+                    else f"{type(self).__name__}: {type(optimizer).__name__} has no 'momentum' in its parameter "
+                    "groups; worker_momentum leaves it as it is"
+                )
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            for group, value in saved:
-                group["momentum"] = value
 
     def _push_scale(self) -> float:
         scale = update_scale_for(self.update_scale, self.world_size) * warmup_factor(

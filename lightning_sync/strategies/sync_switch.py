@@ -56,6 +56,7 @@ from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
 from lightning_sync.strategies.asp import ASPStrategy
 from lightning_sync.strategies.defaults import default_callback
+from lightning_sync.strategies.param_groups import for_the_step
 from lightning_sync.strategies.ps import ParameterServerStrategy
 
 
@@ -237,14 +238,10 @@ class SyncSwitchStrategy(ASPStrategy):
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         scale = self.lr_scale()
-        saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * scale
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            with for_the_step(optimizer, "lr", lambda lr: lr * scale):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
-            for group, lr in zip(optimizer.param_groups, saved):
-                group["lr"] = lr
             self._measure()
 
     def _pushes_this_step(self) -> bool:
