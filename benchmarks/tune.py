@@ -10,17 +10,19 @@ seeds, every candidate's mean and reached count), for `lightning-sync compare --
 
 Grids (the paper's or the pack's default first):
 
-* selsync: `delta` in {0.3 (the paper's), 0.1, 0.03, 0.01} and the 25/50/75% quantiles of the relative gradient
-  change Delta measured in a calibration run (SelSync with delta=0, which syncs every step and logs Delta). The
-  paper's 0.3 was set for its smoothing and models; with ours Delta can sit far below or above it, so a delta chosen
-  from the measured distribution (the fraction of steps that sync is then about 1 - quantile) is the calibrated
-  alternative, and the sweep says which works.
+* selsync: `sync_fraction` in {0.25 (the default, with `delta="auto"`), 0.125, 0.0625, 0.5}: the fraction of
+  steps that synchronise, δ being set online to meet it. The paper's fixed δ = 0.3 was set for its smoothing and
+  models; with ours Δ can sit far below or above it, which is why the pack's default calibrates δ online from the
+  measured Δ instead. A fixed-δ sweep stays available with
+  `--grid selsync.delta=0.3,0.1,...`: then the 25/50/75% quantiles of Δ measured in a calibration run (SelSync with
+  δ = 0, which syncs every step and logs Δ) are added to the candidates (the fraction of steps that sync is then
+  about 1 - quantile).
 * localsgd: `period` in {8 (default), 2, 4, 16}; fedavg: `syncs_per_epoch` in {4 (default), 1, 2, 8};
   adpsgd: `p_init` in {4 (default), 2, 8}; osp: `max_unimportant_fraction` (the ICS share's cap) in
   {0.8 (the paper's), 0.5, 0.95};
-* asp, ssp, aladdin: the learning-rate scale (the model's lr times s) in {1, 0.5, 0.25, 0.125}: their servers apply
-  every worker's update, not the average (ALADDIN weighs it 1/n), so the lr that suits DDP can be too large;
-  sync_switch: `asp_lr_scale` in {1 (default), 0.5, 0.25, 0.125}.
+* asp, ssp, aladdin: a scale of the learning rate (the model's lr times s) in {1, 0.5, 0.25, 0.125} on top of their
+  DDP-anchored defaults (ASP/SSP push 1/m of each update with the derived worker momentum; ALADDIN weighs each
+  update 1/n); sync_switch: `asp_lr_scale` in {1 (default), 0.5, 0.25, 0.125}.
 
 Any other registered strategy (a new method) is tuned only through `--grid`. BSP and ddp have nothing to tune (the
 learning rate is DDP's, the user's).
@@ -47,7 +49,7 @@ from lightning_sync.benchmark.ttt import Summary, summarize_runs
 
 #: method -> (init argument or "lr_scale", candidate values); the first is the default
 GRIDS: dict[str, tuple[str, list[Any]]] = {
-    "selsync": ("delta", [0.3, 0.1, 0.03, 0.01]),
+    "selsync": ("sync_fraction", [0.25, 0.125, 0.0625, 0.5]),
     "localsgd": ("period", [8, 2, 4, 16]),
     "fedavg": ("syncs_per_epoch", [4, 1, 2, 8]),
     "adpsgd": ("p_init", [4, 2, 8]),
