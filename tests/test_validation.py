@@ -534,6 +534,9 @@ _BUCKET_CAP = real_arg(
     "rejected: the unused parameters are found by the bucketed all-reduce's hooks)",
 )
 
+#: the methods with local steps: what validation evaluates
+_EVALUATE = choice_arg("evaluate", ("average", "last_sync"), r"evaluate must be one of 'average', 'last_sync'")
+
 SPECS: dict[type, dict[str, Arg]] = {
     BSPStrategy: _with(
         base_specs(),
@@ -547,6 +550,7 @@ SPECS: dict[type, dict[str, Arg]] = {
             "sync_fraction", 0.0, 1.0, low_open=True, none_ok=True, note="with a fixed delta it must be None (checked)"
         ),
         average_at_end=bool_arg("average_at_end"),
+        evaluate=Arg(**{**_EVALUATE.__dict__, "note": "with aggregation='gradients' only 'average': refused there"}),
         window=int_arg("window", 1, MAX_INT64, note="upper bound: a deque's maxlen"),
         smoothing=real_arg("smoothing", 0.0, 1.0, low_open=True, none_ok=True),
         aggregation=choice_arg(
@@ -561,6 +565,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         period=int_arg("period", 1),
         warmup_steps=int_arg("warmup_steps", 0),
         average_at_end=bool_arg("average_at_end"),
+        evaluate=_EVALUATE,
         outer_optimizer=_OUTER,
     ),
     FedAvgStrategy: _with(
@@ -571,6 +576,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         ),
         seed=int_arg("seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         average_at_end=bool_arg("average_at_end"),
+        evaluate=_EVALUATE,
         outer_optimizer=_OUTER,
     ),
     ADPSGDStrategy: _with(
@@ -619,6 +625,7 @@ SPECS: dict[type, dict[str, Arg]] = {
             edges_invalid=(3, 0, 4.0, True),
         ),
         average_at_end=bool_arg("average_at_end"),
+        evaluate=_EVALUATE,
         outer_optimizer=_OUTER,
     ),
     DiLoCoStrategy: _with(
@@ -641,6 +648,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         ),
         alpha=real_arg("alpha", 0.0, 1.0),
         average_at_end=bool_arg("average_at_end"),
+        evaluate=_EVALUATE,
     ),
     OSPStrategy: _with(
         base_specs(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.optim import Optimizer
@@ -13,6 +13,7 @@ from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import ADPSGDController, mean_squared_deviation
 from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.evaluation import check_evaluate
 
 
 class ADPSGDStrategy(SyncStrategy):
@@ -53,6 +54,10 @@ class ADPSGDStrategy(SyncStrategy):
             optimizer steps :math:`\theta_{global}`, every rank takes it (see
             :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
         average_at_end: average once more when training ends (a bool).
+        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
+            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
+            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
+            :mod:`~lightning_sync.strategies.evaluation`).
     """
 
     strategy_name = "adpsgd"
@@ -69,6 +74,7 @@ class ADPSGDStrategy(SyncStrategy):
         high: float = 1.3,
         max_period: int = 64,
         average_at_end: bool = True,
+        evaluate: Literal["average", "last_sync"] = "average",
         outer_optimizer: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -79,6 +85,7 @@ class ADPSGDStrategy(SyncStrategy):
         if not isinstance(average_at_end, bool):
             raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
         self.average_at_end = average_at_end
+        self.evaluate = check_evaluate(evaluate)
         self.outer_config = parse_outer_optimizer(outer_optimizer)
         super().__init__(**kwargs)
         self.p_init = p_init

@@ -281,6 +281,7 @@ class SyncStrategy(
                 self.comm.broadcast(tensor, src=0, tag="setup")
         self._setup_outer()
         self._setup_compression()
+        self._init_synced()  # evaluate="last_sync": the global model of the last sync starts as the replicas
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
             self._restored_state = None
@@ -390,6 +391,7 @@ class SyncStrategy(
         self._outer_step(tensors)
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
+        self._record_synced()  # evaluate="last_sync": every rank holds the global model now
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
@@ -458,6 +460,8 @@ class SyncStrategy(
             state["outer"] = self._outer_state()
         if self.compressor is not None:
             state["compression"] = self._compression_state()
+        if self._synced is not None:
+            state["synced"] = self._synced_state()
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -468,6 +472,7 @@ class SyncStrategy(
             self.injector.load_state_dict(state["injector"])
         self._load_outer_state(state.get("outer"))
         self._load_compression_state(state.get("compression"))
+        self._load_synced(state.get("synced"))
 
     # ------------------------------------------------------------------ failures
     def on_exception(self, exception: BaseException) -> None:
@@ -487,6 +492,7 @@ class SyncStrategy(
             self._comm.close()  # the driver thread of asynchronous compressed all-reduces, if one was started
         self._flat = None
         self._reference = None
+        self._synced = None
         self._comm = None
         super().teardown()
         if isinstance(self._launcher, _MultiProcessingLauncher):

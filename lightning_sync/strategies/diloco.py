@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +18,7 @@ from lightning_sync.core.outer import auto_outer_optimizer, parse_outer_optimize
 from lightning_sync.core.streaming import FragmentSchedule, fragment_ranges
 from lightning_sync.core.validation import check_bool, check_real
 from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.evaluation import check_evaluate
 
 #: default H (inner steps per outer step): see DiLoCoStrategy's docstring for why not the paper's 500
 DEFAULT_SYNC_EVERY = 16
@@ -118,6 +119,10 @@ class DiLoCoStrategy(SyncStrategy):
             [0, ``sync_every // fragments`` - 1] (so at most one fragment is in flight).
         alpha: :math:`\alpha` in [0, 1], the share of the local fragment kept when the global one is applied.
         average_at_end: the final sync above (a bool).
+        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
+            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
+            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
+            :mod:`~lightning_sync.strategies.evaluation`).
     """
 
     strategy_name = "diloco"
@@ -132,6 +137,7 @@ class DiLoCoStrategy(SyncStrategy):
         delay: int = 0,
         alpha: float = 0.0,
         average_at_end: bool = True,
+        evaluate: Literal["average", "last_sync"] = "average",
         **kwargs: Any,
     ) -> None:
         self.schedule = FragmentSchedule(sync_every, fragments, delay)
@@ -153,6 +159,7 @@ class DiLoCoStrategy(SyncStrategy):
         self.outer_config = None if self.outer_auto else parse_outer_optimizer(outer_optimizer)
         self._saved_outer: tuple[dict[str, Any] | None] | None = None  # a checkpoint's outer state, until chosen
         self.average_at_end = check_bool("average_at_end", average_at_end)
+        self.evaluate = check_evaluate(evaluate)
         if kwargs.get("compression") is not None and (self.fragments > 1 or self.delay > 0 or self.alpha != 0.0):
             raise ValueError(
                 f"compression={kwargs['compression']!r} needs plain DiLoCo (fragments=1, delay=0, alpha=0), got "
@@ -289,6 +296,8 @@ class DiLoCoStrategy(SyncStrategy):
             self._take_reference([b for b in pending.buffers if b.numel()])  # compressed: from the new global model
             if self.verify_sync:
                 self._verify(pending.buffers, f"global parameters of fragment {pending.fragment} after its sync")
+            for part, buf in zip(parts, pending.buffers):  # evaluate="last_sync": before any mixing with alpha
+                self._record_synced_region(part.group, part.start, buf)
             if not self._in_place:
                 for part, buf in zip(parts, pending.buffers):
                     region = self._region(part)
@@ -331,6 +340,7 @@ class DiLoCoStrategy(SyncStrategy):
                             params.copy_(self.outer.global_params[part.group][part.start : part.param_end])
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers after the final sync")
+        self._record_synced()
 
     # ------------------------------------------------------------------ failures and teardown
     def on_exception(self, exception: BaseException) -> None:

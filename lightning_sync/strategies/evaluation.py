@@ -6,15 +6,35 @@ one exact all-reduce (tag ``"eval"``) and each rank's own replica put back bit-e
 ``EarlyStopping`` and ``ModelCheckpoint`` decide on one value on every rank. The main checkpoint file holds the same
 global model (each rank's own replica goes to its part, :mod:`~lightning_sync.strategies.checkpoint`), and
 validate/test/predict from a checkpoint load it on every rank.
+
+``evaluate="last_sync"`` (an argument of the methods with local steps) evaluates instead the global model as of the
+most recent synchronisation — what every rank held right after it (with an outer optimizer,
+:math:`\theta_{global}`; with streaming DiLoCo, each fragment's global values as of its last sync) — kept in a
+copy on every rank, so validation and the main checkpoint file send nothing. It costs one model-sized copy per
+rank (in memory and in each rank's checkpoint part) and a copy per sync; the model validated lags the replicas by
+the local steps since that sync. The default, ``"average"``, is exact at the moment of validation and costs one
+all-reduce of the model per validation.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+
+from lightning_sync.core.validation import check_choice
+
+#: what validation during fit (and the main checkpoint file) holds for a method with local steps
+EVALUATE = ("average", "last_sync")
+
+
+def check_evaluate(evaluate: Any) -> str:
+    """The ``evaluate`` argument: ``"average"`` (the replicas' exact average, one all-reduce per validation) or
+    ``"last_sync"`` (the global model of the last synchronisation, kept on every rank: no communication)."""
+    return check_choice("evaluate", evaluate, EVALUATE)
 
 
 class GlobalModelEvaluation:
@@ -28,19 +48,70 @@ class GlobalModelEvaluation:
 
     _eval_replica: list[Tensor] | None  # this rank's replica while the global model is swapped in
     _main_state_dict: dict[str, Any] | None  # what the main checkpoint file holds during a save
+    #: ``"average"`` or ``"last_sync"`` (set by the strategies that take the argument, :func:`check_evaluate`)
+    evaluate: str = "average"
+    #: with ``evaluate="last_sync"``: every flat group's state (parameters, then buffers) as of the last sync
+    _synced: list[Tensor] | None = None
 
     def _evaluates_average(self) -> bool:
         """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
         average instead of each rank's own."""
         return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.world_size > 1
 
+    def _evaluates_last_sync(self) -> bool:
+        """Whether that global model is the last sync's copy (no communication) rather than a fresh average."""
+        return self.evaluate == "last_sync" and self._evaluates_average()
+
+    # ------------------------------------------------------------------ evaluate="last_sync": the copy
+    def _init_synced(self) -> None:
+        """At setup, replicas identical (after the setup broadcast): the copy starts as them. A resume then loads the
+        saved copy (:meth:`_load_synced`)."""
+        self._synced = None
+        if self.evaluate == "last_sync":
+            self._synced = [g.state.detach().clone() for g in self.flat.groups]
+
+    def _record_synced(self) -> None:
+        """After a sync that left every rank holding the global model (parameters and buffers): copy it."""
+        if self._synced is not None:
+            with torch.no_grad():
+                for saved, g in zip(self._synced, self.flat.groups):
+                    saved.copy_(g.state)
+
+    def _record_synced_region(self, group: int, start: int, values: Tensor) -> None:
+        """After the sync of one range of a flat group (a DiLoCo fragment): ``values`` are its global values."""
+        if self._synced is not None:
+            with torch.no_grad():
+                self._synced[group][start : start + values.numel()].copy_(values)
+
+    def _synced_state(self) -> list[Tensor] | None:
+        """This rank's part of the strategy state under ``"synced"`` (``None`` unless ``evaluate="last_sync"``)."""
+        return None if self._synced is None else [t.detach().clone() for t in self._synced]
+
+    def _load_synced(self, saved: list[Tensor] | None) -> None:
+        if self.evaluate != "last_sync":
+            return  # a copy saved by a last_sync run is not needed to evaluate the average
+        if saved is None:
+            raise ValueError(
+                "evaluate='last_sync' needs the global model of the last sync, and this checkpoint was written with "
+                "evaluate='average' (it holds no copy of it): resume with evaluate='average', or start the fit anew"
+            )
+        if self._synced is None or len(saved) != len(self._synced):
+            raise ValueError("the checkpoint's copy of the last sync's global model does not match this model")
+        with torch.no_grad():
+            for own, value in zip(self._synced, saved):
+                if own.shape != value.shape:
+                    raise ValueError("the checkpoint's copy of the last sync's global model does not match this model")
+                own.copy_(value)
+
     def on_validation_start(self) -> None:
         super().on_validation_start()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._evaluates_average():
-            # every rank validates the global model w = W 1/n, so metrics, EarlyStopping and ModelCheckpoint decide
-            # on one value; each rank's own replica waits in a scratch copy and is put back bit-exactly afterwards
-            self._eval_replica = self._swap_in_average("eval")
+            # every rank validates the global model (w = W 1/n, or the last sync's), so metrics, EarlyStopping and
+            # ModelCheckpoint decide on one value; each rank's own replica waits in a scratch copy and is put back
+            # bit-exactly afterwards
+            last_sync = self._evaluates_last_sync()
+            self._eval_replica = self._swap_in_synced() if last_sync else self._swap_in_average("eval")
 
     def on_validation_end(self) -> None:
         # after the callbacks' on_validation_end (ModelCheckpoint saves there, with the average swapped in)
@@ -59,6 +130,17 @@ class GlobalModelEvaluation:
         tensors = self.flat.state_tensors()
         replica = [t.detach().clone() for t in tensors]
         self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        return replica
+
+    def _swap_in_synced(self) -> list[Tensor]:
+        """``evaluate="last_sync"``: the last sync's global model into the module, no communication; return this
+        rank's values from before, for :meth:`_put_back`."""
+        assert self._synced is not None
+        tensors = self.flat.state_tensors()
+        replica = [t.detach().clone() for t in tensors]
+        with torch.no_grad():
+            for saved, g in zip(self._synced, self.flat.groups):
+                g.state.copy_(saved)
         return replica
 
     def _put_back(self, replica: list[Tensor]) -> None:
@@ -85,12 +167,13 @@ class GlobalModelEvaluation:
     def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The main file holds the global model (the replicas' average; during validation, the one validated), so
         ``trainer.test(ckpt_path="best")`` and any consumer of the file get the same model on every rank. Outside
-        validation the average costs one all-reduce, tagged ``"checkpoint"`` (bookkeeping, not training traffic)."""
+        validation the average costs one all-reduce, tagged ``"checkpoint"`` (bookkeeping, not training traffic);
+        with ``evaluate="last_sync"`` the file holds the last sync's global model, with no communication."""
         if self._main_state_dict is not None:
             return {**checkpoint, "state_dict": self._main_state_dict}
         if not self._evaluates_average():
             return checkpoint
-        replica = self._swap_in_average("checkpoint")
+        replica = self._swap_in_synced() if self._evaluates_last_sync() else self._swap_in_average("checkpoint")
         try:
             average = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from torch.optim import Optimizer
 
@@ -12,6 +12,7 @@ from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import fedavg_participants, fedavg_sync_positions
 from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.evaluation import check_evaluate
 
 
 class FedAvgStrategy(SyncStrategy):
@@ -43,6 +44,10 @@ class FedAvgStrategy(SyncStrategy):
             optimizer steps :math:`\theta_{global}`, every rank takes it (see
             :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
         average_at_end: average once more when training ends (a bool).
+        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
+            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
+            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
+            :mod:`~lightning_sync.strategies.evaluation`).
     """
 
     strategy_name = "fedavg"
@@ -56,6 +61,7 @@ class FedAvgStrategy(SyncStrategy):
         syncs_per_epoch: int = 4,
         seed: int = 0,
         average_at_end: bool = True,
+        evaluate: Literal["average", "last_sync"] = "average",
         outer_optimizer: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -66,6 +72,7 @@ class FedAvgStrategy(SyncStrategy):
         if not isinstance(average_at_end, bool):
             raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
         self.average_at_end = average_at_end
+        self.evaluate = check_evaluate(evaluate)
         super().__init__(**kwargs)
         self.round = 0
         self.last_participants: list[int] = []

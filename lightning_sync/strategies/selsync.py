@@ -16,6 +16,7 @@ from lightning_sync.core.calibration import CALIBRATION_WARMUP, CALIBRATION_WIND
 from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.validation import MAX_INT64, check_bool, check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.evaluation import check_evaluate
 
 Aggregation = Literal["parameters", "gradients"]
 
@@ -85,6 +86,10 @@ class SelSyncStrategy(SyncStrategy):
         sync_fraction: with ``delta="auto"``, the target fraction of synchronised steps, in (0, 1] (LSSR, the
             fraction of local steps, ≈ 1 − f); ``None`` = 0.25. Must be ``None`` with a fixed ``delta``.
         average_at_end: average the replicas once more when training ends (a bool).
+        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
+            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
+            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
+            :mod:`~lightning_sync.strategies.evaluation`).
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
     """
 
@@ -101,6 +106,7 @@ class SelSyncStrategy(SyncStrategy):
         outer_optimizer: Mapping[str, Any] | None = None,
         sync_fraction: float | None = None,
         average_at_end: bool = True,
+        evaluate: Literal["average", "last_sync"] = "average",
         **kwargs: Any,
     ) -> None:
         if not (isinstance(delta, str) and delta == "auto"):
@@ -131,12 +137,19 @@ class SelSyncStrategy(SyncStrategy):
                 "gradient aggregation averages gradients before the update and never averages parameters. Use "
                 "aggregation='parameters' with an outer optimizer."
             )
+        if check_evaluate(evaluate) == "last_sync" and aggregation == "gradients":
+            raise ValueError(
+                "evaluate='last_sync' needs aggregation='parameters': it evaluates the model every rank holds right "
+                "after a sync, and with aggregation='gradients' a sync averages gradients, so the replicas still "
+                "differ after it. Use aggregation='parameters', or evaluate='average'."
+            )
         super().__init__(**kwargs)
         self.delta: float | Literal["auto"] = "auto" if delta == "auto" else float(delta)
         self.sync_fraction: float | None = (
             float(sync_fraction if sync_fraction is not None else DEFAULT_SYNC_FRACTION) if self.auto else None
         )
         self.average_at_end = average_at_end
+        self.evaluate = evaluate
         self.calibrator: DeltaCalibrator | None = None
         #: the threshold of the last vote (``delta`` itself when fixed)
         self.threshold = 0.0 if self.auto else float(delta)
