@@ -154,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         action="append",
         default=[],
         metavar="NAME.KEY=VALUE",
-        help="an init argument for one strategy's default row, e.g. selsync.delta=0.05 (repeatable)",
+        help="an init argument for one strategy's rows, e.g. selsync.delta=0.05 (repeatable): its default row and, "
+        "with --recipes, its tuned row (over the recipe's arguments)",
     )
     args, extra = parser.parse_known_args(argv)
     if args.devices is not None and args.devices < 1:
@@ -192,7 +193,7 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
         tuned = None
         if args.recipes and default.strategy != REFERENCE:
             if path.exists():
-                tuned = make_row(name, recipe=load_recipe(path), lr=lr)
+                tuned = make_row(name, strategy_args.get(key, []), recipe=load_recipe(path), lr=lr)
                 if codec:
                     compress_row(tuned, codec)
             else:

@@ -124,6 +124,18 @@ def test_recipes_make_tuned_rows_next_to_the_default_rows(tmp_path):
         ["--strategies", "ddp,selsync,bsp", "--recipes", "only", "--recipes-dir", str(tmp_path)]
     )
     assert [r.label for r in build_rows(args, "vgg", 0.2, parser)] == ["ddp", "selsync (tuned)", "bsp"]
+    # --strategy-arg applies to the method's rows, the tuned one included (on top of the recipe's arguments)
+    args, _, parser = parse_args(
+        ["--strategies", "ddp,selsync", "--recipes", "--recipes-dir", str(tmp_path)]
+        + ["--strategy-arg", "selsync.evaluate=last_sync"]
+    )
+    rows = build_rows(args, "vgg", 0.2, parser)
+    assert [(r.label, r.cli_args) for r in rows] == [
+        ("ddp", []),
+        ("selsync", ["evaluate=last_sync"]),
+        ("selsync (tuned)", ["evaluate=last_sync"]),
+    ]
+    assert rows[2].init_args == {"delta": 0.1}
 
 
 def test_a_codec_suffix_adds_the_compressed_row_with_its_compression_argument(tmp_path):
