@@ -56,11 +56,13 @@ def _suite(rank: int, out_dir: str) -> None:
             self._before: str | None = None
             self._syncs = 0
             self.replica: str | None = None
+            self.synced_state: dict[str, torch.Tensor] = {}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             syncs = trainer.strategy.step_counter.sync_steps
             if syncs != self._syncs:
                 self.synced_model = _digest(trainer.strategy.flat.state_tensors())
+                self.synced_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             self._syncs = syncs
 
         def on_validation_start(self, trainer, pl_module):  # callbacks run before the strategy swaps the model in
@@ -89,6 +91,23 @@ def _suite(rank: int, out_dir: str) -> None:
             if self._before is not None:
                 self.restored.append(self._before == _digest(trainer.strategy.flat.state_tensors()))
                 self._before = None
+
+    class SaveMidEpoch(pl.Callback):
+        """A checkpoint saved outside validation, two local steps after a sync (global step 10; syncs after steps
+        0, 4, 8): its main file must hold the last sync's model, taken without a collective."""
+
+        def __init__(self, probe: Probe) -> None:
+            self.probe = probe
+            self.expected: dict[str, torch.Tensor] = {}
+            self.current: dict[str, torch.Tensor] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 10:
+                self.expected = dict(self.probe.synced_state)
+                self.current = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+                before = trainer.strategy.comm_stats.summary().get("bytes_checkpoint", 0.0)
+                trainer.save_checkpoint(str(out / "mid" / "mid.ckpt"))
+                self.sent = trainer.strategy.comm_stats.summary().get("bytes_checkpoint", 0.0) - before
 
     class StopAfter(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
@@ -124,6 +143,29 @@ def _suite(rank: int, out_dir: str) -> None:
             "global_step": trainer.global_step,
         }
 
+    def mid_checkpoint() -> dict[str, Any]:
+        pl.seed_everything(0, verbose=False)
+        probe = Probe()
+        mid = SaveMidEpoch(probe)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=LocalSGDStrategy(period=4, evaluate="last_sync"),
+            max_steps=12,
+            limit_train_batches=BATCHES,
+            limit_val_batches=0,
+            callbacks=[probe, mid],
+            **quiet_trainer_kwargs(),
+        )
+        trainer.fit(DigitsCNN(lr=0.05, momentum=0.9), DigitsDataModule(batch_size=16))
+        saved = torch.load(out / "mid" / "mid.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        floating = [k for k, v in saved.items() if v.is_floating_point()]
+        return {
+            "holds_last_sync": all(torch.equal(saved[k], mid.expected[k]) for k in floating),
+            "holds_replica": all(torch.equal(saved[k], mid.current[k]) for k in floating),
+            "sent": mid.sent,
+        }
+
     res: dict[str, Any] = {
         "localsgd": fit("localsgd", LocalSGDStrategy(period=4, evaluate="last_sync")),
         "localsgd_average": fit("localsgd_average", LocalSGDStrategy(period=4)),
@@ -139,6 +181,7 @@ def _suite(rank: int, out_dir: str) -> None:
         "resume", LocalSGDStrategy(period=4, evaluate="last_sync"), ckpt=interrupted["last"], root="resume"
     )
     res["interrupted"] = interrupted
+    res["mid_checkpoint"] = mid_checkpoint()
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -182,6 +225,14 @@ def test_resume_validates_the_same_models_and_ends_with_the_same_replicas(suite)
         assert interrupted["seen"] + resumed["seen"] == straight["seen"]
         assert resumed["replica"] is not None and resumed["replica"] == straight["replica"]
         assert resumed["model"] == straight["model"]
+
+
+def test_a_checkpoint_outside_validation_holds_the_last_syncs_model_without_an_all_reduce(suite):
+    for r in suite:
+        mid = r["mid_checkpoint"]
+        assert mid["holds_last_sync"] and not mid["holds_replica"]  # two local steps after the sync
+    # rank 0's file name is broadcast (a few bytes, tag "checkpoint"); no model-sized all-reduce
+    assert all(r["mid_checkpoint"]["sent"] < 10_000 for r in suite)
 
 
 def test_the_argument_is_checked_at_construction():
