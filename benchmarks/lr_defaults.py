@@ -5,6 +5,7 @@
     python benchmarks/lr_defaults.py --old                    # the papers' literal rates (before issue 17)
     python benchmarks/lr_defaults.py --warmup 0 --momentum    # the workers' momentum: derived ('auto') vs the user's
     python benchmarks/lr_defaults.py --seeds 1 2 3 --warmup 0 --sweep   # ASP at fixed worker momenta
+    python benchmarks/lr_defaults.py --warmup 0 --milestones 2  # the rate x0.1 for the last epoch
 
 The text workload's packaged configuration (``lightning-sync compare --workload text``: a character Transformer, SGD
 lr 0.1, momentum 0.9, its data) trained ``--epochs`` epochs by BSP, ASP, SSP, ALADDIN and Sync-Switch at their
@@ -64,7 +65,15 @@ def _variants(warmup: int, old: bool, momentum: bool, sweep: bool) -> list[tuple
 
 
 def _worker(
-    rank: int, out_dir: str, seeds: list[int], epochs: int, warmup: int, old: bool, momentum: bool, sweep: bool
+    rank: int,
+    out_dir: str,
+    seeds: list[int],
+    epochs: int,
+    warmup: int,
+    old: bool,
+    momentum: bool,
+    sweep: bool,
+    milestones: list[int] | None,
 ) -> None:
     import lightning.pytorch as pl
     import yaml
@@ -91,7 +100,7 @@ def _worker(
                 limit_val_batches=config["trainer"]["limit_val_batches"],
                 **quiet_trainer_kwargs(),
             )
-            model = CharTransformerLM(**config["model"]["init_args"])
+            model = CharTransformerLM(**config["model"]["init_args"], lr_milestones=milestones)
             data = PythonTextDataModule(**config["data"]["init_args"])
             trainer.fit(model, data)
             ppl = float(trainer.test(model, data, verbose=False)[0]["test/ppl"])
@@ -113,18 +122,37 @@ def main(argv: list[str] | None = None) -> None:
         help="add ASP/SSP at the user's momentum (worker_momentum=None: before) and Sync-Switch with 'auto'",
     )
     parser.add_argument("--sweep", action="store_true", help="add ASP at fixed worker momenta (how 'auto' was chosen)")
+    parser.add_argument(
+        "--milestones",
+        type=int,
+        nargs="+",
+        default=None,
+        help="epochs at which the rate is multiplied by 0.1 (the model's lr_milestones; default: a constant rate)",
+    )
     args = parser.parse_args(argv)
 
     from lightning_sync.launch import launch_local
 
     with tempfile.TemporaryDirectory() as out:
         launch_local(
-            _worker, 4, out, args.seeds, args.epochs, args.warmup, args.old, args.momentum, args.sweep, threads=1
+            _worker,
+            4,
+            out,
+            args.seeds,
+            args.epochs,
+            args.warmup,
+            args.old,
+            args.momentum,
+            args.sweep,
+            args.milestones,
+            threads=1,
         )
         results = json.loads(Path(out, "res_rank0.json").read_text())
     bsp = {r["seed"]: r["test_ppl"] for r in results if r["row"] == "BSP"}
     labels = list(dict.fromkeys(r["row"] for r in results))
-    print(f"\n## Test perplexity at lr 0.1 (text workload, 4 ranks, {args.epochs} epochs); ratio to BSP's, same seed")
+    decay = f", x0.1 at epochs {args.milestones}" if args.milestones else ""
+    head = f"Test perplexity at lr 0.1{decay} (text workload, 4 ranks, {args.epochs} epochs)"
+    print(f"\n## {head}; ratio to BSP's, same seed")
     print("| row | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean ratio | ratio range |")
     print("|---|" + "---:|" * (len(args.seeds) + 2))
     for label in labels:

@@ -13,6 +13,26 @@ from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 
+def _check_step_decay(lr_milestones: list[int] | None, lr_gamma: float) -> None:
+    if lr_milestones is not None and (
+        any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in lr_milestones)
+        or list(lr_milestones) != sorted(lr_milestones)
+    ):
+        raise ValueError(f"lr_milestones must be increasing epoch numbers >= 1, got {lr_milestones!r}")
+    if not 0 < lr_gamma <= 1:
+        raise ValueError(f"lr_gamma must be in (0, 1], got {lr_gamma!r}")
+
+
+def _with_step_decay(opt: torch.optim.Optimizer, hp: Any) -> Any:
+    """``opt``, or ``opt`` with a step schedule: the rate multiplied by ``lr_gamma`` at each epoch in
+    ``lr_milestones`` (stepped per epoch, as the ADPSGD and SelSync papers anneal and Sync-Switch's policy switches
+    after the first decay)."""
+    if not hp.get("lr_milestones"):
+        return opt
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(hp.lr_milestones), gamma=hp.lr_gamma)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
 class _Classifier(pl.LightningModule):
     """Cross-entropy classifier with SGD (momentum, weight decay), an optional step LR schedule (multiply by
     ``lr_gamma`` at each epoch in ``lr_milestones``, as the ADPSGD and SelSync papers anneal), torchmetrics accuracy."""
@@ -27,12 +47,7 @@ class _Classifier(pl.LightningModule):
         lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
-        if lr_milestones is not None and (
-            any(not isinstance(m, int) or m < 1 for m in lr_milestones) or list(lr_milestones) != sorted(lr_milestones)
-        ):
-            raise ValueError(f"lr_milestones must be increasing epoch numbers >= 1, got {lr_milestones!r}")
-        if not 0 < lr_gamma <= 1:
-            raise ValueError(f"lr_gamma must be in (0, 1], got {lr_gamma!r}")
+        _check_step_decay(lr_milestones, lr_gamma)
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if not 0 <= momentum < 1:
@@ -63,10 +78,7 @@ class _Classifier(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        if not hp.get("lr_milestones"):
-            return opt
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(hp.lr_milestones), gamma=hp.lr_gamma)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        return _with_step_decay(opt, hp)
 
 
 class DigitsCNN(_Classifier):
@@ -191,7 +203,8 @@ class CharTransformerLM(_LanguageModel):
     """A small causal Transformer language model over characters (the SelSync paper's Transformer workload, scaled
     down: ``layers`` encoder layers of width ``dim`` with ``heads`` heads). Logs ``train/loss``, ``val/loss``,
     ``val/ppl`` and ``test/ppl`` (perplexity: exp of the mean token loss of the whole evaluation); optimizer SGD with
-    momentum (default, so OSP's correction is exact and ADPSGD sees a learning rate) or AdamW."""
+    momentum (default, so OSP's correction is exact and ADPSGD sees a learning rate) or AdamW, with an optional step
+    schedule (the rate times ``lr_gamma`` at each epoch in ``lr_milestones``)."""
 
     def __init__(
         self,
@@ -204,12 +217,15 @@ class CharTransformerLM(_LanguageModel):
         lr: float = 0.1,
         momentum: float = 0.9,
         optimizer: str = "sgd",
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
+        _check_step_decay(lr_milestones, lr_gamma)
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, dim)
         self.pos = nn.Parameter(torch.zeros(seq_len, dim))
@@ -226,8 +242,8 @@ class CharTransformerLM(_LanguageModel):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         if hp.optimizer == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=hp.lr)
-        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum)
+            return _with_step_decay(torch.optim.AdamW(self.parameters(), lr=hp.lr), hp)
+        return _with_step_decay(torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum), hp)
 
 
 #: VGG-11 (Simonyan & Zisserman 2015, Table 1, configuration "A"): conv widths as multiples of the first, "M" a
@@ -317,7 +333,7 @@ class WordTransformerLM(_LanguageModel):
     tokens). The embedding's gradient is dense under data-parallel all-reduce (every row travels, whatever words the
     batch held). No buffers: the causal mask is built per forward. Logs ``train/loss``, ``val/loss``, ``val/ppl``
     and ``test/ppl`` (perplexity: exp of the mean token loss of the whole evaluation); SGD with momentum (default) or
-    AdamW.
+    AdamW, with an optional step schedule (the rate times ``lr_gamma`` at each epoch in ``lr_milestones``).
     """
 
     def __init__(
@@ -332,6 +348,8 @@ class WordTransformerLM(_LanguageModel):
         lr: float = 0.1,
         momentum: float = 0.9,
         optimizer: str = "sgd",
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -350,6 +368,7 @@ class WordTransformerLM(_LanguageModel):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
+        _check_step_decay(lr_milestones, lr_gamma)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if not 0 <= dropout < 1:
@@ -371,5 +390,5 @@ class WordTransformerLM(_LanguageModel):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         if hp.optimizer == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=hp.lr)
-        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum)
+            return _with_step_decay(torch.optim.AdamW(self.parameters(), lr=hp.lr), hp)
+        return _with_step_decay(torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum), hp)

@@ -4,9 +4,9 @@ The text workload's packaged configuration (``lightning_sync/configs/compare_tex
 SGD lr 0.1, momentum 0.9) diverged under ASP, SSP and Sync-Switch when each push was a worker's full step
 (perplexity ``inf``). With the DDP-anchored defaults (pushes scaled by 1/m, ASP's and SSP's workers at the momentum
 derived from the user's, Sync-Switch's BSP phase at the user's rate) every asynchronous row must end with a finite
-test perplexity close to BSP's. One set of 4 torchrun-style processes runs the five fits (the import is paid
+test perplexity within 15% of BSP's. One set of 4 torchrun-style processes runs the five fits (the import is paid
 once); the model, data and learning rate are the packaged configuration's, the budget is reduced to ``EPOCHS``
-epochs (the config's is a time-to-target budget).
+epochs (the config's is a time-to-target budget) with the rate decayed for the last one.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ from launch import run_suite
 
 WORLD = 4
 STRATEGIES = ("bsp", "asp", "ssp", "aladdin", "sync_switch")
-#: How far above BSP's test perplexity one run may end. Measured at this budget with the defaults
-#: (``python benchmarks/lr_defaults.py --warmup 0 --momentum``: seeds 1-5, 4 processes on 2 cores), the ratio to
-#: BSP's of the same seed: ASP 1.07-1.16x (mean 1.12x), SSP 1.06-1.15x (1.10x), ALADDIN 1.01-1.04x (1.02x),
-#: Sync-Switch 1.04-1.28x (1.13x) — the push order, hence the staleness, follows the OS's scheduling of the 4
-#: processes, so single runs spread. Issue 17's 15% holds for the means; one run is allowed 30% (the largest single
-#: run measured is 1.28x). The papers' literal rates (the defaults before issue 17) diverged (nan/inf) in 8 of 9 runs.
-MARGIN = 0.3
-#: the reduced budget (epochs of the packaged data)
+#: How far above BSP's test perplexity a row may end: issue 17's 15%.
+MARGIN = 0.15
+#: the reduced budget (epochs of the packaged data), the rate x0.1 for its last epoch (the model's step schedule,
+#: ``lr_milestones``, as the papers anneal). Measured at this budget with the defaults (``python
+#: benchmarks/lr_defaults.py --warmup 0 --milestones 2``: seeds 1-5, 4 processes on 2 cores), the ratio to BSP's of
+#: the same seed: ASP 1.06-1.10x, SSP 1.06-1.10x, ALADDIN 1.02-1.03x, Sync-Switch 1.01-1.06x (RESULTS). At a constant
+#: rate (``--warmup 0 --momentum``, no ``--milestones``) the means were within 15% but single runs spread to 1.28x
+#: (Sync-Switch; ASP 1.07-1.16x): the push order, hence the staleness, follows the OS's scheduling of the 4
+#: processes, and the last epoch at a tenth of the rate averages that noise out, as it does for BSP. The papers'
+#: literal rates (the defaults before issue 17) diverged (nan/inf) in 8 of 9 runs.
 EPOCHS = 3
+MILESTONES = [2]
 
 
 def _suite(rank: int, out_dir: str) -> None:
@@ -54,7 +57,7 @@ def _suite(rank: int, out_dir: str) -> None:
             limit_val_batches=config["trainer"]["limit_val_batches"],
             **quiet_trainer_kwargs(),
         )
-        model = CharTransformerLM(**config["model"]["init_args"])
+        model = CharTransformerLM(**config["model"]["init_args"], lr_milestones=MILESTONES)
         data = PythonTextDataModule(**config["data"]["init_args"])
         trainer.fit(model, data)
         res[name] = {
