@@ -358,3 +358,52 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
     assert fast_rows["ddp"]["dropped_extremes"] and fast_rows["ddp"]["mean_s"] == pytest.approx(10.0)  # 5 seeds
     assert (tmp_path / "all" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
     assert (tmp_path / "all" / "1gbit-1ms" / "table.md").read_text().count("*") >= 2  # trimmed means marked
+
+
+def test_bandwidth_grid_reads_committed_summaries_one_report_per_link(tmp_path):
+    """Committed reports (summary.json only, their run folders gone) become one grid and one bandwidth plot; each
+    column's ratios are the ones its own report measured, a method absent at a link is 'not run', a missed mean
+    stays missed, and a link given twice or a second target is refused."""
+    import json
+
+    grid = _script("bandwidth_grid")
+
+    def report(folder, link, rows, target=17.0):
+        folder.mkdir()
+        summary = {
+            "target": {"metric": "val/ppl", "value": target, "mode": "min"},
+            "groups": [[link, link]],
+            "tables": {link: rows},
+        }
+        (folder / "summary.json").write_text(json.dumps(summary))
+        return folder
+
+    def row(method, mean, speedup, reached=3, runs=3):
+        return {"method": method, "runs": runs, "reached": reached, "mean_s": mean, "min_s": mean, "max_s": mean,
+                "dropped_extremes": False, "speedup": speedup}  # fmt: skip
+
+    slow = report(tmp_path / "slow", "100mbit,1ms", [row("ddp", 600.0, 1.0), row("localsgd", 120.0, 5.0)])
+    fast = report(
+        tmp_path / "fast",
+        "1gbit,1ms",
+        [
+            row("ddp", 60.0, 1.0),
+            row("localsgd", 30.0, 2.0),
+            row("asp", None, None, reached=2),
+            {"method": "osp", "runs": 3},
+        ],
+    )
+    assert grid.main([str(fast), str(slow), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "grid.md").read_text().splitlines()
+    assert text[0] == "| method | 100mbit,1ms | 1gbit,1ms |"  # columns by bandwidth, whatever the order given
+    assert "| ddp | 600.0 s (3/3) | 60.0 s (3/3) |" in text
+    assert "| localsgd | 5.00x (3/3) | 2.00x (3/3) |" in text
+    assert "| asp | not run | missed (2/3) |" in text
+    assert "| osp | not run | failed |" in text
+    assert (tmp_path / "out" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
+    again = report(tmp_path / "again", "1gbit,1ms", [row("ddp", 50.0, 1.0)])
+    with pytest.raises(ValueError, match="one run"):
+        grid.main([str(fast), str(again), "--out", str(tmp_path / "x")])
+    other = report(tmp_path / "other", "10gbit,1ms", [row("ddp", 40.0, 1.0)], target=9.0)
+    with pytest.raises(ValueError, match="different targets"):
+        grid.main([str(fast), str(other), "--out", str(tmp_path / "y")])

@@ -274,8 +274,9 @@ def plot_bandwidth(summaries: dict[float, dict[str, Summary]], target: Target, p
     methods: list[str] = []
     for per in summaries.values():
         methods += [m for m in per if m not in methods]
+    palette = plt.get_cmap("tab20").colors if len(methods) > 10 else [f"C{i}" for i in range(10)]
     for i, method in enumerate(methods):
-        colour = f"C{i % 10}"
+        colour = palette[i % len(palette)]
         xs, ys, lo, hi, missed = [], [], [], [], []
         for bw in sorted(summaries):
             s = summaries[bw].get(method)

@@ -1,0 +1,124 @@
+"""Every method's time to target against link bandwidth, from committed ``compare`` reports (issue 16, item 4).
+
+    python benchmarks/bandwidth_grid.py docs/benchmarks/time_to_target/words/100mbit \\
+        docs/benchmarks/time_to_target/words/1gbit_5seeds docs/benchmarks/time_to_target/words/10gbit_all_methods \\
+        --out docs/benchmarks/time_to_target/words/bandwidth_grid
+
+``compare --merge`` re-renders earlier runs from their run folders (the records of every evaluation), which live in
+the scratch ``--out`` of the machine that ran them. This script needs only what is committed: each report's
+``summary.json`` (the tables ``compare`` wrote). It draws the bandwidth plot over all of them (the same plot as
+``compare``'s, one line per method) and writes ``grid.md``: a row per method, a column per link, the speedup against
+Lightning's DDP **of the same report** (every ratio is measured side by side in one run, never across runs), the
+runs that reached the target, and DDP's mean time per link. A link may come from one report only, and the reports
+must measure the same target; a method missing at a link is shown as not run, a missed mean as missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_sync.benchmark.report import plot_bandwidth
+from lightning_sync.benchmark.runs import REFERENCE, Target
+from lightning_sync.benchmark.ttt import Summary
+from lightning_sync.comm.link import LinkModel
+
+NOT_RUN = "not run"
+
+
+def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any]], list[str]]:
+    """``(target, {bits/s: {"link", "source", "rows"}}, methods in order)`` from the reports' ``summary.json``."""
+    targets: set[tuple[str, float, str]] = set()
+    links: dict[float, dict[str, Any]] = {}
+    methods: list[str] = []
+    for folder in folders:
+        summary = json.loads((folder / "summary.json").read_text())
+        t = summary["target"]
+        targets.add((t["metric"], float(t["value"]), t["mode"]))
+        for group, link in summary["groups"]:
+            if link is None:
+                raise ValueError(f"{folder}: group {group!r} ran without an emulated link (a column needs one)")
+            bw = LinkModel.parse(link).bits_per_second
+            if bw in links:
+                raise ValueError(
+                    f"link {link!r} is in both {links[bw]['source']} and {folder}: each column must come from one run "
+                    "(the speedups are ratios to that run's ddp)"
+                )
+            rows = summary["tables"][group]
+            if not any(row["method"] == REFERENCE and row.get("mean_s") is not None for row in rows):
+                raise ValueError(f"{folder}: link {link!r} has no {REFERENCE} row that reached the target")
+            links[bw] = {"link": link, "source": str(folder), "rows": {row["method"]: row for row in rows}}
+            methods += [row["method"] for row in rows if row["method"] not in methods]
+    if len(targets) != 1:
+        raise ValueError(f"the reports measured different targets {sorted(targets)}; give reports of one target")
+    metric, value, mode = targets.pop()
+    return Target(metric, value, mode), links, methods
+
+
+def _summary(row: dict[str, Any]) -> Summary | None:
+    if "reached" not in row:  # a failed row: no run ran
+        return None
+    return Summary(
+        runs=row["runs"],
+        reached=row["reached"],
+        mean_s=row.get("mean_s"),
+        min_s=row.get("min_s"),
+        max_s=row.get("max_s"),
+        dropped_extremes=bool(row.get("dropped_extremes")),
+    )
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return NOT_RUN
+    if "reached" not in row:
+        return "failed"
+    reached = f"{row['reached']}/{row['runs']}"
+    if row.get("mean_s") is None:
+        return f"missed ({reached})"
+    if row["method"] == REFERENCE:
+        return f"{row['mean_s']:.1f} s ({reached})"
+    return f"{row['speedup']:.2f}x ({reached})"
+
+
+def grid_markdown(target: Target, links: dict[float, dict[str, Any]], methods: list[str]) -> str:
+    order = sorted(links)
+    head = "| method | " + " | ".join(f"{links[bw]['link']}" for bw in order) + " |"
+    lines = [head, "|---|" + "---:|" * len(order)]
+    for method in methods:
+        lines.append(f"| {method} | " + " | ".join(_cell(links[bw]["rows"].get(method)) for bw in order) + " |")
+    return "\n".join(lines) + (
+        f"\n\nTarget: {target.describe()}. {REFERENCE}'s cell: its mean time to target (runs that reached it / runs); "
+        f"every other cell: the speedup against {REFERENCE}'s mean in the same report (the same run), with the runs "
+        "that reached the target. Sources: "
+        + "; ".join(f"{links[bw]['link']}: {links[bw]['source']}" for bw in order)
+        + "."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reports", nargs="+", type=Path, help="compare --out folders (their summary.json)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    target, links, methods = read_reports(args.reports)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summaries: dict[float, dict[str, Summary]] = {}
+    for bw, entry in links.items():
+        summaries[bw] = {m: s for m, row in entry["rows"].items() if (s := _summary(row)) is not None}
+    plot = plot_bandwidth(summaries, target, args.out / "time_to_target_vs_bandwidth.png")
+    text = grid_markdown(target, links, methods)
+    (args.out / "grid.md").write_text(text + "\n")
+    command = "python benchmarks/bandwidth_grid.py " + " ".join(map(str, args.reports)) + f" --out {args.out}"
+    sources = {entry["link"]: entry["source"] for entry in links.values()}
+    (args.out / "summary.json").write_text(json.dumps({"command": command, "sources": sources}, indent=2))
+    print(text)
+    print(f"\nwritten: {plot}, {args.out / 'grid.md'}, {args.out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
