@@ -6,11 +6,15 @@
 
 ``compare --merge`` re-renders earlier runs from their run folders (the records of every evaluation), which live in
 the scratch ``--out`` of the machine that ran them. This script needs only what is committed: each report's
-``summary.json`` (the tables ``compare`` wrote). It draws the bandwidth plot over all of them (the same plot as
-``compare``'s, one line per method) and writes ``grid.md``: a row per method, a column per link, the speedup against
-Lightning's DDP **of the same report** (every ratio is measured side by side in one run, never across runs), the
-runs that reached the target, and DDP's mean time per link. A link may come from one report only, and the reports
-must measure the same target; a method missing at a link is shown as not run, a missed mean as missed.
+``summary.json`` (the tables ``compare`` wrote). It writes ``grid.md``: a row per method, a column per link, the
+speedup against Lightning's DDP **of the same report** (every ratio is measured side by side in one run, never across
+runs), the runs that reached the target, and DDP's mean time per link; and ``speedup_vs_bandwidth.png``, those
+speedups against bandwidth (log axes, DDP the line at 1, min-max of the ratio as error bars: the slowest run of the
+method against DDP's mean and the fastest). The plot shows ratios, not seconds, because the reports may come from
+different sessions or machines: a ratio is measured within one run, an absolute time only means something beside
+the times of its own run (``compare``'s own ``time_to_target_vs_bandwidth.png`` plots seconds, for links run
+together). A link may come from one report only, and the reports must measure the same target; a method missing at
+a link is shown as not run, a missed mean as missed (an ``x`` on the plot's bottom edge).
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.benchmark.report import plot_bandwidth
 from lightning_sync.benchmark.runs import REFERENCE, Target
-from lightning_sync.benchmark.ttt import Summary
 from lightning_sync.comm.link import LinkModel
 
 NOT_RUN = "not run"
@@ -58,17 +60,58 @@ def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any
     return Target(metric, value, mode), links, methods
 
 
-def _summary(row: dict[str, Any]) -> Summary | None:
-    if "reached" not in row:  # a failed row: no run ran
-        return None
-    return Summary(
-        runs=row["runs"],
-        reached=row["reached"],
-        mean_s=row.get("mean_s"),
-        min_s=row.get("min_s"),
-        max_s=row.get("max_s"),
-        dropped_extremes=bool(row.get("dropped_extremes")),
-    )
+def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: list[str], path: Path) -> Path:
+    """Speedup against ddp (of the same report) per bandwidth, log-log, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    from lightning_sync.benchmark.report import _rate
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    order = sorted(links)
+    palette = plt.get_cmap("tab20").colors
+    values = [
+        row["speedup"] for entry in links.values() for row in entry["rows"].values() if row.get("speedup") is not None
+    ]
+    bottom = min(values + [1.0]) / 1.5
+    for i, method in enumerate(methods):
+        xs, ys, lo, hi, missed = [], [], [], [], []
+        for bw in order:
+            row = links[bw]["rows"].get(method)
+            if row is None or "reached" not in row:
+                continue
+            if row.get("speedup") is None:
+                missed.append(bw)
+                continue
+            ref = links[bw]["rows"][REFERENCE]["mean_s"]
+            xs.append(bw)
+            ys.append(row["speedup"])
+            lo.append(row["speedup"] - (ref / row["max_s"] if row.get("max_s") else bottom))
+            hi.append((ref / row["min_s"]) - row["speedup"])
+        colour = "black" if method == REFERENCE else palette[i % len(palette)]
+        style = "-" if method == REFERENCE else "--"
+        if xs:
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", linestyle=style, color=colour, capsize=3, label=method)
+        if missed:
+            ax.scatter(missed, [bottom] * len(missed), marker="x", color=colour, label=None if xs else f"{method}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(order, [_rate(bw) for bw in order])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ratio = FuncFormatter(lambda v, _: f"{v:g}x")
+    ax.yaxis.set_major_formatter(ratio)
+    ax.yaxis.set_minor_formatter(ratio)
+    ax.set_xlabel("link bandwidth (emulated; latency as given)")
+    ax.set_ylabel(f"speedup vs {REFERENCE} in time to target")
+    ax.set_title(f"time to {target.describe()}: speedup vs {REFERENCE} (x at bottom: missed)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _cell(row: dict[str, Any] | None) -> str:
@@ -106,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     target, links, methods = read_reports(args.reports)
     args.out.mkdir(parents=True, exist_ok=True)
-    summaries: dict[float, dict[str, Summary]] = {}
-    for bw, entry in links.items():
-        summaries[bw] = {m: s for m, row in entry["rows"].items() if (s := _summary(row)) is not None}
-    plot = plot_bandwidth(summaries, target, args.out / "time_to_target_vs_bandwidth.png")
+    plot = plot_speedups(target, links, methods, args.out / "speedup_vs_bandwidth.png")
     text = grid_markdown(target, links, methods)
     (args.out / "grid.md").write_text(text + "\n")
     command = "python benchmarks/bandwidth_grid.py " + " ".join(map(str, args.reports)) + f" --out {args.out}"

@@ -356,7 +356,7 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
     fast_rows = {r["method"]: r for r in result["tables"]["1gbit,1ms"]}
     assert slow_rows["localsgd"]["speedup"] == pytest.approx(41.0 / 5.0)  # seeds 0-2: (base + seed) means 41 and 5
     assert fast_rows["ddp"]["dropped_extremes"] and fast_rows["ddp"]["mean_s"] == pytest.approx(10.0)  # 5 seeds
-    assert (tmp_path / "all" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
+    assert (tmp_path / "all" / "speedup_vs_bandwidth.png").stat().st_size > 0
     assert (tmp_path / "all" / "1gbit-1ms" / "table.md").read_text().count("*") >= 2  # trimmed means marked
 
 
@@ -400,7 +400,7 @@ def test_bandwidth_grid_reads_committed_summaries_one_report_per_link(tmp_path):
     assert "| localsgd | 5.00x (3/3) | 2.00x (3/3) |" in text
     assert "| asp | not run | missed (2/3) |" in text
     assert "| osp | not run | failed |" in text
-    assert (tmp_path / "out" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
+    assert (tmp_path / "out" / "speedup_vs_bandwidth.png").stat().st_size > 0
     again = report(tmp_path / "again", "1gbit,1ms", [row("ddp", 50.0, 1.0)])
     with pytest.raises(ValueError, match="one run"):
         grid.main([str(fast), str(again), "--out", str(tmp_path / "x")])
