@@ -356,7 +356,7 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
     fast_rows = {r["method"]: r for r in result["tables"]["1gbit,1ms"]}
     assert slow_rows["localsgd"]["speedup"] == pytest.approx(41.0 / 5.0)  # seeds 0-2: (base + seed) means 41 and 5
     assert fast_rows["ddp"]["dropped_extremes"] and fast_rows["ddp"]["mean_s"] == pytest.approx(10.0)  # 5 seeds
-    assert (tmp_path / "all" / "speedup_vs_bandwidth.png").stat().st_size > 0
+    assert (tmp_path / "all" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
     assert (tmp_path / "all" / "1gbit-1ms" / "table.md").read_text().count("*") >= 2  # trimmed means marked
 
 
