@@ -27,9 +27,9 @@ SelSync's full per-step work (squared norm, windowed EWMA and Eq. 2 on the devic
 after the update; ``delta=inf`` so no step syncs) with a plain local step (the same Lightning step with none of
 that, but the per-step SIGTERM collective that SelSync folds into its vote). Interleaving puts both kinds under the
 same noise; the ratio of median step times is printed per repeat. The two parities of a step differ by themselves
-(with both kinds plain, 6 runs on the 2-core machine: the even steps took 1.08x the odd ones, median of the runs;
-CPU time 1.04x), so the runs alternate which parity is SelSync's; with an even ``--repeats`` the median and geometric
-mean over runs cancel it. Goal: <= 1.02.
+(``--control``, an A/A run with SelSync's steps plain too, on the 2-core machine: the even steps' ratio 1.04, the odd
+steps' 0.92, medians per parity), so the runs alternate which parity is SelSync's; with an even ``--repeats`` the
+median and geometric mean over runs cancel it, and the median per parity is printed. Goal: <= 1.02.
 
 Part 3 (``cpu`` only) — one epoch under ``LinkModel("1gbit", "1ms")``: BSP (25 MiB buckets, 1 MiB buckets, no
 overlap) and SelSync(0.3): bytes sent per rank, seconds blocked in communication, epoch wall time, on the demo CNN
@@ -143,12 +143,12 @@ def _make_toggle_strategy() -> type:
         """Steps alternate: SelSync's full per-step logic, then a plain local step, i.e. what Lightning does on
         its own in a multi-process step: no norm, no EWMA, no vote, but Lightning's per-step SIGTERM collective
         (which SelSync folds into its vote). ``selsync_on_odd`` puts SelSync's steps on the odd steps instead of
-        the even ones: the runs alternate it, because the two parities differ by themselves (measured with both
-        kinds plain, 6 runs: the even steps 1.08x the odd ones, median, on the 2-core machine)."""
+        the even ones: the runs alternate it, because the two parities differ by themselves (``--control``)."""
 
         plain = False
         _count = 0
         selsync_on_odd = False
+        control = False  # --control: "SelSync's" steps are plain too (an A/A run: what the parities differ by alone)
 
         def on_train_batch_start(self, batch, batch_idx):  # type: ignore[override]
             self.plain = (self._count % 2 == 1) != self.selsync_on_odd
@@ -156,11 +156,11 @@ def _make_toggle_strategy() -> type:
             return super().on_train_batch_start(batch, batch_idx)
 
         def _after_backward(self, optimizer: Optimizer) -> None:
-            if not self.plain:
+            if not (self.plain or self.control):
                 super()._after_backward(optimizer)
 
         def _after_update(self, optimizer: Optimizer) -> None:
-            if self.plain:
+            if self.plain or self.control:
                 self.step_counter.record(False)
                 self._check_sigterm()
             else:
@@ -196,7 +196,15 @@ class StepTimer(pl.Callback):
 
 # ---------------------------------------------------------------------------------------------------- worker
 def _worker(
-    rank: int, out_dir: str, setup: str, models: list[str], steps: int, warmup: int, repeats: int, parts: list[int]
+    rank: int,
+    out_dir: str,
+    setup: str,
+    models: list[str],
+    steps: int,
+    warmup: int,
+    repeats: int,
+    parts: list[int],
+    control: bool = False,
 ) -> None:
     if setup == "gpu-shared":
         os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")  # two one-GPU "nodes" on this machine
@@ -243,6 +251,7 @@ def _worker(
         for r in range(repeats):
             strategy = toggle(delta=float("inf"), process_group_backend=backend)
             strategy.selsync_on_odd = r % 2 == 1  # cancels the parities' own difference over pairs of runs
+            strategy.control = control
             timer = StepTimer(warmup, kind=lambda trainer: "plain" if trainer.strategy.plain else "selsync")
             run(strategy, model_name, timer, max_steps=warmup + 2 * steps + 1, max_epochs=-1)
             blocks.append(
@@ -351,6 +360,12 @@ def _report(r0: dict[str, Any]) -> None:
             f"geometric mean: {statistics.geometric_mean(ratios):.3f}; CPU time: {statistics.median(cpu_ratios):.3f}"
             "   (goal <= 1.02; an even number of runs, so SelSync's steps are even and odd equally often)"
         )
+        by_parity = {
+            p: statistics.median(x for x, o in zip(ratios, blocks) if o.get("selsync_on", "even") == p)
+            for p in ("even", "odd")
+            if any(o.get("selsync_on", "even") == p for o in blocks)
+        }
+        print("median ratio by SelSync's parity: " + ", ".join(f"{p} {v:.3f}" for p, v in by_parity.items()))
     if setup == "cpu" and 3 in parts:
         print("\n## Part 3: one epoch at an emulated 1 Gbit/s, 1 ms link (rank 0; DistributedSampler)")
         print("| model | params | strategy | steps | LSSR | bytes sent / rank | blocked s | epoch s |")
@@ -379,6 +394,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps not measured at the start of each block")
     parser.add_argument("--repeats", type=int, default=6, help="blocks per strategy (part 1), runs (part 2)")
     parser.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1 or 1,2")
+    parser.add_argument(
+        "--control", action="store_true", help="part 2 as an A/A run: SelSync's steps plain too (the parities' bias)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write rank 0's raw numbers here")
     args = parser.parse_args()
     parts = [int(p) for p in args.parts.split(",")]
@@ -399,7 +417,19 @@ def main() -> None:
     for setup in setups:
         with tempfile.TemporaryDirectory() as tmp:
             threads = 1 if setup == "cpu" else None
-            launch_local(_worker, WORLD, tmp, setup, models, steps, args.warmup, args.repeats, parts, threads=threads)
+            launch_local(
+                _worker,
+                WORLD,
+                tmp,
+                setup,
+                models,
+                steps,
+                args.warmup,
+                args.repeats,
+                parts,
+                args.control,
+                threads=threads,
+            )
             out[setup] = [json.loads(Path(tmp, f"{setup}_rank{r}.json").read_text()) for r in range(WORLD)]
         _report(out[setup][0])
     if args.accelerator == "gpu" and torch.cuda.device_count() < 2:
