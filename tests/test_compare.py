@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -179,3 +182,29 @@ def test_bad_arguments_fail_before_any_run(tmp_path, capsys):
         err = capsys.readouterr().err
         assert re.search(message, err), (argv, err)
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+class _LocalHosts:
+    """A stand-in for :class:`~lightning_sync.cluster.NamespaceCluster`: its "hosts" are plain local processes."""
+
+    hosts = 2
+
+    def env(self, i: int, port: int) -> dict[str, str]:
+        return {**os.environ, "NODE_RANK": str(i)}
+
+    def popen(self, i: int, cmd, env, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=env, start_new_session=True, **kwargs)
+
+
+def test_a_cluster_run_that_fails_on_another_host_says_which_host_and_why(tmp_path):
+    """Only rank 0's output is streamed; a failure on another host is reported from that host's own log, kept in
+    the run's folder (a cluster row once failed with rank 0's last lines as its only explanation)."""
+    from lightning_sync.benchmark.runs import RunResult, run_one
+
+    script = "import os, sys; node = os.environ['NODE_RANK']; print('host', node, 'broke' if node == '1' else 'ok'); "
+    script += "sys.exit(3 if node == '1' else 0)"
+    result = RunResult("ddp", 0, "cluster", tmp_path / "run")
+    run_one(result, [sys.executable, "-c", script], "test", cluster=_LocalHosts())
+    assert not result.ok
+    assert result.error == "run.host1.log: host 1 broke", result.error
+    assert (tmp_path / "run" / "run.log").read_text().strip() == "host 0 ok"

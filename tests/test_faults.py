@@ -242,6 +242,57 @@ def test_comm_failures_are_told_from_other_errors():
         raise RuntimeError("Tensors must be CPU and dense")  # not a peer failure: passes through unchanged
 
 
+_EXIT_SCRIPT = """
+import importlib.util, sys
+import torch, torch.distributed as dist
+spec = importlib.util.spec_from_file_location("fault", sys.argv[1])  # torch only: no Lightning import per process
+fault = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fault)
+dist.init_process_group("gloo")
+fault.destroy_groups_at_exit()
+t = torch.ones(1000)
+for _ in range(5):
+    dist.all_reduce(t)
+"""
+
+
+def test_processes_launched_outside_lightning_exit_cleanly_with_their_group_alive_until_exit(tmp_path):
+    """Under torchrun, SLURM or on a cluster host the strategies keep the group after fit (``test`` may follow) and
+    destroy it at exit: without that, torch's gloo aborts a process at exit about half the time (17 of 30 plain
+    two-process runs measured), which failed a cluster ``compare`` row whose training had succeeded."""
+    import lightning_sync.comm.fault as fault
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    for attempt in range(5):  # without the hook, 5 clean runs in a row happen about 1.5% of the time
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), fault.__file__],
+                env={
+                    **os.environ,
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "WORLD_SIZE": "2",
+                    "RANK": str(rank),
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            for rank in range(2)
+        ]
+        for rank, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    kill_session(p)
+                raise
+            assert proc.returncode == 0, f"run {attempt} rank {rank} exited with {proc.returncode}: {out[-500:]}"
+
+
 # ----------------------------------------------------------------------------------------------- checkpoints
 def _fit_tiny(root: Path, ckpt_path: Path | None = None, at_end=None, max_steps: int = 2):
     """Fit a tiny model in this process (world size 1); ``at_end(trainer)`` runs while the strategy is still set

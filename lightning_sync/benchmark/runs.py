@@ -8,6 +8,7 @@ namespace cluster); nothing is simulated.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
 import inspect
@@ -345,7 +346,9 @@ def run_one(
     start = time.perf_counter()
     print(f"[compare] {progress}: starting", flush=True)
     others: list[subprocess.Popen] = []
-    with log_path.open("w") as log:
+    other_logs: list[Path] = []
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(log_path.open("w"))
         if cluster is None:
             proc = subprocess.Popen(
                 cmd,
@@ -363,10 +366,10 @@ def run_one(
             proc = cluster.popen(
                 0, node_cmd, cluster.env(0, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
-            others = [
-                cluster.popen(i, node_cmd, cluster.env(i, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for i in range(1, cluster.hosts)
-            ]
+            for i in range(1, cluster.hosts):  # the other hosts' output is kept too: a failure there is explained
+                other_logs.append(run_dir / f"run.host{i}.log")
+                out = stack.enter_context(other_logs[-1].open("w"))
+                others.append(cluster.popen(i, node_cmd, cluster.env(i, port), stdout=out, stderr=subprocess.STDOUT))
         assert proc.stdout is not None
         timer = None
         if timeout is not None:
@@ -387,12 +390,15 @@ def run_one(
         code = proc.wait()
         if timer is not None:
             timer.cancel()
-        for other in others:
+        failed_log = log_path if code else None
+        for other, other_log in zip(others, other_logs):
             try:
-                code = code or other.wait(timeout=120)
+                other_code = other.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 kill_session(other)
-                code = code or 1
+                other_code = 1
+            if other_code and not code:
+                code, failed_log = other_code, other_log
     result.seconds = time.perf_counter() - start
     records = read_records(run_dir / "time_to_target.jsonl")
     result.outcome = outcome(records) if records else None
@@ -402,8 +408,10 @@ def run_one(
         result.ok = result.outcome is not None
         result.error = f"stopped after the run timeout ({timeout:.0f} s)"
     else:
-        tail = log_path.read_text().strip().splitlines()[-3:]
-        result.error = " | ".join(tail)[-300:] or f"exit code {code}"
+        failed_log = failed_log or log_path
+        tail = failed_log.read_text().strip().splitlines()[-3:]
+        where = "" if failed_log == log_path else f"{failed_log.name}: "
+        result.error = where + (" | ".join(tail)[-300:] or f"exit code {code}")
     if result.ok and result.outcome is not None:
         o = result.outcome
         status = f"reached in {o.time_s:.1f}s (step {o.steps:.0f})" if o.reached else f"missed (best {o.best:.4g})"

@@ -2,7 +2,7 @@
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import CommHandle, Communicator, destroy_default_group
-from lightning_sync.comm.fault import PeerFailure, report_failure
+from lightning_sync.comm.fault import PeerFailure, destroy_groups_at_exit, report_failure
 from lightning_sync.comm.flat import FlatState
 from lightning_sync.comm.link import LinkClock, LinkModel
 
@@ -15,5 +15,6 @@ __all__ = [
     "LinkModel",
     "PeerFailure",
     "destroy_default_group",
+    "destroy_groups_at_exit",
     "report_failure",
 ]

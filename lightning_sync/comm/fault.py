@@ -67,6 +67,7 @@ _last: tuple[str, list[int], dict[int, str]] | None = None
 _stopping: set[int] | None = None
 _exit_threads: list[threading.Thread] = []
 _hook_registered = False
+_destroy_at_exit = False
 
 
 class PeerFailure(RuntimeError):
@@ -157,11 +158,36 @@ def _read(store: Any, rank: int, world_size: int) -> dict[int, tuple[str, str]]:
 
 def _arm(gone: Iterable[int] = ()) -> None:
     """A failure is pending on this rank: linger at exit (see the module docstring)."""
-    global _stopping, _hook_registered
+    global _stopping
     _stopping = set(gone) if _stopping is None else _stopping | set(gone)
+    _register_exit_hook()
+
+
+def _register_exit_hook() -> None:
+    global _hook_registered
     if not _hook_registered:
-        atexit.register(_linger)
+        atexit.register(_at_exit)
         _hook_registered = True
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy this process's process groups when its interpreter exits (after the failure linger, if one is
+    pending). A process whose gloo group is still alive at exit aborts (SIGABRT) about half the time, whatever
+    launched it (measured: 17 of 30 two-process ``env://`` runs with torch's plain gloo; 0 of 30 with the groups
+    destroyed in an ``atexit`` hook). Lightning's launchers keep the group after ``fit`` (``test`` may follow), so
+    the strategies call this from ``setup_environment``: the group lives as long as the script does."""
+    global _destroy_at_exit
+    _destroy_at_exit = True
+    _register_exit_hook()
+
+
+def _at_exit() -> None:
+    _linger()
+    if _destroy_at_exit and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the interpreter is exiting: nothing left to tell
+            pass
 
 
 def wait_at_exit(thread: threading.Thread) -> None:

@@ -41,7 +41,15 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import CommStats, Communicator, FlatState, LinkModel, destroy_default_group, report_failure
+from lightning_sync.comm import (
+    CommStats,
+    Communicator,
+    FlatState,
+    LinkModel,
+    destroy_default_group,
+    destroy_groups_at_exit,
+    report_failure,
+)
 from lightning_sync.comm.buckets import GradBuckets
 from lightning_sync.comm.compression import Compressor, check_compression
 from lightning_sync.core import StepCounter
@@ -251,6 +259,7 @@ class SyncStrategy(
     def setup_environment(self) -> None:
         self._forget_launch_summary()
         super().setup_environment()
+        destroy_groups_at_exit()  # torchrun, SLURM, a cluster host: the group outlives fit, not the process
         self._comm = Communicator(self.comm_stats, self.link)
         self._add_sync_stats()
 

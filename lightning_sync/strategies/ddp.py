@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_sync.comm import CommStats, LinkModel, destroy_default_group
+from lightning_sync.comm import CommStats, LinkModel, destroy_default_group, destroy_groups_at_exit
 from lightning_sync.comm.ddp_hook import BufferBroadcastAccounting, DDPHookState, allreduce_hook, charge_broadcast
 from lightning_sync.core.validation import check_bool
 from lightning_sync.strategies.checks import check_ddp_arguments, check_link
@@ -126,6 +126,7 @@ class CountedDDPStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        destroy_groups_at_exit()  # torchrun, SLURM, a cluster host: the group outlives fit, not the process
         self.ddp_hook_state = DDPHookState(self.comm_stats, self.link, record_buckets=self.record_buckets)
 
     def configure_ddp(self) -> None:
