@@ -24,6 +24,12 @@ Grids (the paper's or the pack's default first):
   DDP-anchored defaults (ASP/SSP push 1/m of each update with the derived worker momentum; ALADDIN weighs each
   update 1/n); sync_switch: `asp_lr_scale` in {1 (default), 0.5, 0.25, 0.125}.
 
+`--methods selsync+bf16` tunes the compressed variant (the recipe is written for `selsync`; use it with
+`compare --strategies selsync+bf16 --recipes`); `--strategy-arg NAME.KEY=VALUE` (as in `compare`) is set on every
+candidate of NAME (e.g. `selsync.evaluate=last_sync`) and written into the recipe's arguments with the chosen
+value (the recipe is what was measured). Recipes tuned at another link go to their own root
+(`--write examples/recipes_100mbit`, then `compare --recipes-dir examples/recipes_100mbit`).
+
 Any other registered strategy (a new method) is tuned only through `--grid`. BSP and ddp have nothing to tune (the
 learning rate is DDP's, the user's).
 
@@ -46,6 +52,7 @@ import yaml
 from lightning_sync.benchmark.recipes import Recipe, recipe_path, write_recipe
 from lightning_sync.benchmark.runs import REFERENCE, Row, RunResult, base_lr, make_row
 from lightning_sync.benchmark.ttt import Summary, summarize_runs
+from lightning_sync.compare import compress_row
 
 #: method -> (init argument or "lr_scale", candidate values); the first is the default
 GRIDS: dict[str, tuple[str, list[Any]]] = {
@@ -77,10 +84,16 @@ def parse_grid(items: list[str]) -> dict[str, tuple[str, list[Any]]]:
     return grids
 
 
-def candidate_row(method: str, key: str, value: Any, lr: float | None) -> Row:
+def candidate_row(
+    method: str, key: str, value: Any, lr: float | None, cli_args: list[str] | None = None, codec: str = ""
+) -> Row:
+    """One candidate: ``method`` with ``key=value``, the ``--strategy-arg`` values of every candidate (``cli_args``)
+    and, with ``codec``, its compressed variant (``selsync+bf16``)."""
     recipe = Recipe(method, {} if key == "lr_scale" else {key: value}, lr_scale=value if key == "lr_scale" else None)
-    row = make_row(method, recipe=recipe, lr=lr)
-    row.label = f"{method} {key}={value}"
+    row = make_row(method, cli_args, recipe=recipe, lr=lr)
+    if codec:
+        compress_row(row, codec)
+    row.label = f"{method}{'+' + codec if codec else ''} {key}={value}"
     return row
 
 
@@ -99,7 +112,7 @@ def delta_quantiles(results: list[RunResult]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from lightning_sync.compare import parse_args, prepare, run_grid
+    from lightning_sync.compare import parse_args, parse_strategy_args, prepare, run_grid
 
     argv = list(sys.argv[1:] if argv is None else argv)
     tune = argparse.ArgumentParser(add_help=False)
@@ -120,25 +133,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         grids.update(parse_grid(targs.grid))
     except ValueError as err:
         parser.error(str(err))
+    strategy_args = parse_strategy_args(args, parser)
     command = "python benchmarks/tune.py " + shlex.join(argv)
     link = args.link[0]
     grid = prepare(args, extra, parser)
     lr = base_lr(grid.config)
     chosen: dict[str, Any] = {}
-    for method in [m.strip().replace("-", "_") for m in targs.methods.split(",") if m.strip()]:
+    for entry in [m.strip() for m in targs.methods.split(",") if m.strip()]:
+        name, _, codec = entry.partition("+")
+        method = name.replace("-", "_")
         if method == REFERENCE or method not in grids:
             print(f"[tune] {method}: no grid (give one with --grid {method}.KEY=v1,v2)", flush=True)
             continue
         key, values = grids[method]
         values = list(values)
         if method == "selsync" and key == "delta" and not targs.no_calibrate:
-            calibration = make_row("selsync", ["delta=0.0"])
+            calibration = make_row("selsync", [*strategy_args.get(method, []), "delta=0.0"])
+            if codec:
+                compress_row(calibration, codec)
             calibration.label = "selsync delta=0 (calibration)"
             runs = run_grid(grid, [(link, link)], [calibration])
             measured = delta_quantiles(runs)
             print(f"[tune] selsync: Delta quantiles {DELTA_QUANTILES} = {measured}", flush=True)
             values += [q for q in measured if q not in values]
-        rows = [candidate_row(method, key, v, lr) for v in values]
+        try:
+            rows = [candidate_row(method, key, v, lr, strategy_args.get(method), codec) for v in values]
+        except ValueError as err:
+            parser.error(f"--methods {entry}: {err}")
         results = run_grid(grid, [(link, link)], rows)
         table = []
         for row, value in zip(rows, values):
@@ -156,9 +177,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             chosen[method] = {key: None, "mean_s": None, "path": None}
             continue
+        fixed = {k: _value(v) for k, _, v in (a.partition("=") for a in strategy_args.get(method, []))}
         recipe = Recipe(
             method,
-            {} if key == "lr_scale" else {key: value},
+            {**fixed, **({} if key == "lr_scale" else {key: value})},
             lr_scale=value if key == "lr_scale" else None,
             tuned={
                 "command": command,

@@ -169,15 +169,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return args, extra, parser
 
 
-def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser: argparse.ArgumentParser) -> list[Row]:
-    """The table's rows: each named strategy's default row and, with ``--recipes``, its tuned row."""
-    names = [n.strip() for n in (args.strategies or default_strategies()).split(",") if n.strip()]
+def parse_strategy_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """``--strategy-arg NAME.KEY=VALUE`` items as ``{name: ["KEY=VALUE", ...]}`` (``-`` in names read as ``_``)."""
     strategy_args: dict[str, list[str]] = {}
     for item in args.strategy_arg:
         name, _, rest = item.partition(".")
         if not rest or "=" not in rest:
             parser.error(f"--strategy-arg must look like NAME.KEY=VALUE, got {item!r}")
         strategy_args.setdefault(name.replace("-", "_"), []).append(rest)
+    return strategy_args
+
+
+def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser: argparse.ArgumentParser) -> list[Row]:
+    """The table's rows: each named strategy's default row and, with ``--recipes``, its tuned row."""
+    names = [n.strip() for n in (args.strategies or default_strategies()).split(",") if n.strip()]
+    strategy_args = parse_strategy_args(args, parser)
     rows: list[Row] = []
     for entry in names:
         name, _, codec = entry.partition("+")

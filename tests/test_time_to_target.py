@@ -212,8 +212,9 @@ def test_time_to_target_callback_validates_its_arguments():
 
 
 def test_recipes_shipped_for_the_workloads_load():
-    root = Path(__file__).resolve().parent.parent / "examples" / "recipes"
-    files = sorted(root.glob("*/*.yaml"))
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    files = sorted(examples.glob("recipes*/*/*.yaml"))  # recipes/ (tuned at 1 Gbit/s) and recipes_<link>/
+    assert files
     for path in files:
         recipe = load_recipe(path)
         assert path.parent.name in ("digits", "text", "vgg", "words"), path
@@ -308,6 +309,14 @@ def test_tune_grids_scores_and_delta_quantiles(tmp_path):
     rows = "step,sync/delta\n" + "".join(f"{i},{d}\n" for i, d in enumerate([0.0, 0.4, 0.1, 0.2, 0.3], 1))
     (tmp_path / "logs" / "version_0" / "metrics.csv").write_text(rows)
     assert tune.delta_quantiles([run]) == [0.2, 0.3, 0.4]  # 25/50/75% of the positive Deltas 0.1..0.4
+    # a candidate carries the --strategy-arg values and, for `selsync+bf16`, the compression, beside its grid value
+    row = tune.candidate_row("selsync", "sync_fraction", 0.03, 0.1, ["evaluate=last_sync"], "bf16")
+    assert row.label == "selsync+bf16 sync_fraction=0.03" and row.init_args == {"sync_fraction": 0.03}
+    assert row.cli_args == ["evaluate=last_sync", "compression=bf16"]
+    scaled = tune.candidate_row("asp", "lr_scale", 0.5, 0.1)
+    assert scaled.cli_args == [] and scaled.extra == ["--model.init_args.lr=0.05"]
+    with pytest.raises(ValueError, match="must be one of"):
+        tune.candidate_row("selsync", "sync_fraction", 0.03, 0.1, codec="fp8")
 
 
 def test_time_to_target_script_lists_one_command_per_table():
