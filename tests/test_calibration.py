@@ -76,3 +76,23 @@ def test_bad_arguments(kwargs, name):
     kwargs = {"sync_fraction": 0.5, **kwargs}
     with pytest.raises(ValueError, match=name):
         DeltaCalibrator(**kwargs)
+
+
+def test_selsync_calibration_warmup_is_the_calibrators_and_only_with_an_online_delta():
+    from lightning_sync import SelSyncStrategy
+    from lightning_sync.core.calibration import CALIBRATION_WARMUP
+
+    assert SelSyncStrategy()._new_calibrator().warmup == CALIBRATION_WARMUP
+    calibrator = SelSyncStrategy(sync_fraction=0.5, calibration_warmup=2)._new_calibrator()
+    assert calibrator.warmup == 2 and calibrator.sync_fraction == 0.5
+    values = [0.4, 0.1, 0.3, 0.2]
+    thresholds = []
+    for v in values:  # two unconditional syncs (delta 0), then the window's median
+        thresholds.append(calibrator.threshold())
+        calibrator.observe(v)
+    assert thresholds == [0.0, 0.0, 0.4, 0.3]
+    with pytest.raises(ValueError, match="calibration_warmup applies to delta='auto' only"):
+        SelSyncStrategy(delta=0.3, calibration_warmup=2)
+    with pytest.raises(ValueError, match="calibration_warmup must be an integer in"):
+        SelSyncStrategy(calibration_warmup=-1)
+    assert SelSyncStrategy(delta=0.3).calibration_warmup is None

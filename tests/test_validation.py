@@ -549,6 +549,9 @@ SPECS: dict[type, dict[str, Arg]] = {
         sync_fraction=real_arg(
             "sync_fraction", 0.0, 1.0, low_open=True, none_ok=True, note="with a fixed delta it must be None (checked)"
         ),
+        calibration_warmup=int_arg(
+            "calibration_warmup", 0, MAX_INT64, none_ok=True, note="with a fixed delta it must be None (checked)"
+        ),
         average_at_end=bool_arg("average_at_end"),
         evaluate=Arg(**{**_EVALUATE.__dict__, "note": "with aggregation='gradients' only 'average': refused there"}),
         window=int_arg("window", 1, MAX_INT64, note="upper bound: a deque's maxlen"),

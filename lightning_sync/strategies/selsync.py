@@ -85,6 +85,10 @@ class SelSyncStrategy(SyncStrategy):
             takes them (see :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`).
         sync_fraction: with ``delta="auto"``, the target fraction of synchronised steps, in (0, 1] (LSSR, the
             fraction of local steps, ≈ 1 − f); ``None`` = 0.25. Must be ``None`` with a fixed ``delta``.
+        calibration_warmup: with ``delta="auto"``, the first steps that synchronise unconditionally while the
+            calibrator's window fills (an integer >= 0); ``None`` = 10. Each costs a full exchange: on a slow link
+            with a small ``sync_fraction`` they can be most of the run's communication. Must be ``None`` with a
+            fixed ``delta``.
         average_at_end: average the replicas once more when training ends (a bool).
         evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
             replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
@@ -107,6 +111,7 @@ class SelSyncStrategy(SyncStrategy):
         sync_fraction: float | None = None,
         average_at_end: bool = True,
         evaluate: Literal["average", "last_sync"] = "average",
+        calibration_warmup: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not (isinstance(delta, str) and delta == "auto"):
@@ -121,8 +126,16 @@ class SelSyncStrategy(SyncStrategy):
                     f"sync_fraction applies to delta='auto' only; with a fixed delta={delta!r} it must be None "
                     f"(got {sync_fraction!r}). Pass delta='auto' to target a fraction of synchronised steps."
                 )
-        elif sync_fraction is not None:
-            check_real("sync_fraction", sync_fraction, 0.0, 1.0, low_open=True)
+            if calibration_warmup is not None:
+                raise ValueError(
+                    f"calibration_warmup applies to delta='auto' only; with a fixed delta={delta!r} it must be None "
+                    f"(got {calibration_warmup!r}). Pass delta='auto' to calibrate delta online."
+                )
+        else:
+            if sync_fraction is not None:
+                check_real("sync_fraction", sync_fraction, 0.0, 1.0, low_open=True)
+            if calibration_warmup is not None:
+                check_int("calibration_warmup", calibration_warmup, 0, MAX_INT64)
         check_bool("average_at_end", average_at_end)
         check_int("window", window, 1, MAX_INT64)
         if smoothing is not None:
@@ -147,6 +160,9 @@ class SelSyncStrategy(SyncStrategy):
         self.delta: float | Literal["auto"] = "auto" if delta == "auto" else float(delta)
         self.sync_fraction: float | None = (
             float(sync_fraction if sync_fraction is not None else DEFAULT_SYNC_FRACTION) if self.auto else None
+        )
+        self.calibration_warmup: int | None = (
+            int(calibration_warmup if calibration_warmup is not None else CALIBRATION_WARMUP) if self.auto else None
         )
         self.average_at_end = average_at_end
         self.evaluate = evaluate
@@ -209,7 +225,8 @@ class SelSyncStrategy(SyncStrategy):
 
     def _new_calibrator(self) -> DeltaCalibrator:
         assert self.sync_fraction is not None
-        return DeltaCalibrator(self.sync_fraction, window=CALIBRATION_WINDOW, warmup=CALIBRATION_WARMUP)
+        assert self.calibration_warmup is not None
+        return DeltaCalibrator(self.sync_fraction, window=CALIBRATION_WINDOW, warmup=self.calibration_warmup)
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
