@@ -175,7 +175,12 @@ class NamespaceCluster:
         procs_per_host: int = 1,
     ) -> dict[str, str]:
         """The environment of process ``local_rank`` of ``procs_per_host`` on host ``i``, as torchrun would set it
-        for a multi-node job (Lightning launches nothing; ``Trainer(num_nodes=hosts, devices=procs_per_host)``)."""
+        for a multi-node job (Lightning launches nothing; ``Trainer(num_nodes=hosts, devices=procs_per_host)``).
+
+        The hosts share this machine's cores: ``OMP_NUM_THREADS`` (unless already set) is the cores over every
+        process of the cluster, at least 1 — what Lightning's own launchers give the same processes on one host.
+        Lightning sets it from the processes of one node only, so each host's process would take every core (4
+        hosts on 2 cores: 8 compute threads, twice the CPU time of the emulated run for the same steps)."""
         procs_per_host = check_int("procs_per_host", procs_per_host, 1)
         local_rank = check_int("local_rank", local_rank, 0, procs_per_host - 1)
         check_int("i", i, 0, self.hosts - 1)
@@ -190,6 +195,8 @@ class NamespaceCluster:
             LOCAL_WORLD_SIZE=str(procs_per_host),
             GLOO_SOCKET_IFNAME=self.interface(i),
         )
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // (self.hosts * procs_per_host)))
         env.update(extra or {})
         return env
 

@@ -11,6 +11,7 @@ at the end, and its pure parts without namespaces.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -208,6 +209,14 @@ def test_environment_of_a_host_with_several_processes():
     assert env["LOCAL_WORLD_SIZE"] == "2" and env["GLOO_SOCKET_IFNAME"] == cluster.interface(1) and env["X"] == "1"
     one = cluster.env(2, 29500)  # the default: one process per host
     assert (one["RANK"], one["WORLD_SIZE"], one["LOCAL_RANK"]) == ("2", "3", "0")
+    # the hosts share this machine's cores: each process gets its share, not every core (Lightning's per-node rule)
+    cores = len(os.sched_getaffinity(0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("OMP_NUM_THREADS", raising=False)
+        assert cluster.env(0, 29500, procs_per_host=2)["OMP_NUM_THREADS"] == str(max(1, cores // 6))
+        assert cluster.env(0, 29500)["OMP_NUM_THREADS"] == str(max(1, cores // 3))
+        mp.setenv("OMP_NUM_THREADS", "5")
+        assert cluster.env(0, 29500)["OMP_NUM_THREADS"] == "5"  # a user's setting stands
     with pytest.raises(ValueError, match="local_rank"):
         cluster.env(0, 29500, local_rank=2, procs_per_host=2)
     with pytest.raises(ValueError, match="procs_per_host"):
