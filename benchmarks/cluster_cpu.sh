@@ -7,6 +7,8 @@
 # emulated 1 Gbit/s + 1 ms, then on `--cluster 4x1gbit` (kernel-limited veth links). Prints per run: wall seconds,
 # CPU seconds by kind (user, system, softirq, idle) and, from the run's time_to_target.jsonl, the fit's wall and
 # blocked seconds. Nothing else should run meanwhile (the CPU figures are the whole machine's).
+# CLUSTER_THREADS=N sets OMP_NUM_THREADS for the cluster run only: CLUSTER_THREADS=2 on a 2-core machine is what
+# Lightning's per-node rule gave each host's process before the cluster set its share (the "before" figures).
 set -euo pipefail
 OUT=${1:-runs/cluster_cpu}
 mkdir -p "$OUT"
@@ -30,4 +32,8 @@ print(f"{name}: wall {float(t1) - float(t0):.1f} s; CPU {cpu}; fit {end['wall_s'
 PY
 }
 run emulated --link 1gbit,1ms
-run cluster --cluster 4x1gbit
+if [ -n "${CLUSTER_THREADS:-}" ]; then
+  OMP_NUM_THREADS=$CLUSTER_THREADS run cluster --cluster 4x1gbit
+else
+  run cluster --cluster 4x1gbit
+fi

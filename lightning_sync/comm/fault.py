@@ -19,6 +19,9 @@ plain ``env://`` start, stays up until they have read it) and for the threads re
 :func:`wait_at_exit` (the parameter server's watch threads: a daemon thread woken inside a blocking
 ``torch.distributed`` wait while the interpreter shuts down aborts the process). A rank that was killed cannot
 linger: the survivors then say that its store is unreachable (rank 0) or that it stopped without a report.
+Without a failure, the same ``atexit`` hook destroys the process groups of a process whose strategy called
+:func:`destroy_groups_at_exit` (every strategy does at setup): a gloo group alive at exit aborts the process about
+half the time.
 
 Everything here is best effort and bounded: reading and writing reports never raises (a failure to do so is said in
 the message) and the grace period is at most :data:`MAX_GRACE_S`.
