@@ -5,6 +5,7 @@ One spawn runs every check; each worker returns its observations through a file 
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -81,6 +82,40 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         res["events"] = events
         res["async_blocked_s"] = slow_stats.blocked_seconds["async"]
         res["async_blocking"] = slow_stats.blocking["async"]
+
+        # 5. a host-prepared all-reduce: prepare and collective on the driver thread, the caller goes on at once
+        host_stats = CommStats()
+        host = Communicator(host_stats, link=DELAY_LINK)
+        vote = torch.zeros(3)
+        seen: dict = {}
+        gate = threading.Event()
+
+        def prepare() -> None:
+            seen["thread"] = threading.current_thread().name
+            gate.wait(5.0)  # the caller is still running when prepare runs: it released the gate
+            vote.copy_(torch.tensor([1.0, float(rank), 2.0 * rank]))
+
+        plain.barrier()
+        t0 = time.perf_counter()
+        handle = host.all_reduce_from_host(vote, prepare, op="sum", tag="vote")
+        res["host_launch_s"] = time.perf_counter() - t0
+        gate.set()
+        handle.wait()
+        res["host_vote"] = vote.tolist()
+        res["host_thread"] = seen["thread"]
+        res["host_bytes"] = host_stats.bytes_sent["vote"]
+        res["host_ops"], res["host_blocking"] = host_stats.ops["vote"], host_stats.blocking["vote"]
+        res["host_blocked_s"] = host_stats.blocked_seconds["vote"]
+
+        def broken() -> None:
+            raise RuntimeError("prepare failed")
+
+        try:  # every rank fails before its collective: no rank waits on the other
+            host.all_reduce_from_host(torch.zeros(1), broken, tag="vote").wait()
+            res["host_error"] = None
+        except RuntimeError as err:
+            res["host_error"] = str(err)
+        host.close()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
@@ -132,3 +167,17 @@ def test_async_handle_overlaps_later_work_under_emulation(results):
         # only the part of the transfer not hidden behind compute was spent blocked
         assert r["async_blocked_s"] < expected - 0.02
         assert r["async_blocking"] == 0
+
+
+def test_host_prepared_all_reduce_runs_off_the_calling_thread(results):
+    """``all_reduce_from_host``: ``prepare`` fills the tensor on the driver thread (it waits for the caller, which
+    has already returned), the sum arrives, bytes are the analytic count (recorded once, not blocking), the
+    emulated link delays it, and an error in ``prepare`` is re-raised by ``wait``."""
+    for r in results:
+        assert r["host_vote"] == [2.0, 1.0, 2.0]  # sum over ranks 0 and 1
+        assert r["host_thread"].startswith("comm-driver-gloo")
+        assert r["host_launch_s"] < 0.5  # did not wait for prepare (which waits for the caller up to 5 s)
+        assert r["host_bytes"] == gloo_ring_allreduce_bytes(3, 4, WORLD, 0) == 12
+        assert r["host_ops"] == 1 and r["host_blocking"] == 0
+        assert r["host_blocked_s"] >= DELAY_LINK.latency_seconds  # the wait was charged with the emulated transfer
+        assert r["host_error"] == "prepare failed"

@@ -16,14 +16,15 @@
 * the compressed all-reduce's per-rank stages on CUDA tensors give the CPU's result (up to float32 rounding: CUDA
   may fuse a multiply-add that the CPU rounds twice).
 
-What differs on CUDA (read from torch 2.14 / Lightning 2.6): ``Communicator`` synchronises the current stream after
+What differs on CUDA (read from torch 2.11 / Lightning 2.6): ``Communicator`` synchronises the current stream after
 a blocking NCCL collective only (``_cuda``), to charge its real duration as blocked time. With gloo and CUDA tensors
 ``ProcessGroupGloo``'s CUDA work makes its copy stream wait for the current stream before copying the input to
 pinned host memory, and ``wait()`` makes the current stream wait for the copy back, while the host blocks until
 the CPU all-reduce is done: ordering needs nothing more, and the blocked time is the real wait. The bucket hooks
 run on the autograd engine's device thread, on the stream that accumulated the gradient, so a bucket's collective
-is ordered after its gradients (as DDP's C++ hook). SelSync's vote lives on the GPU with gloo too (gloo takes it
-from there), so the decision is not brought to the host before the update.
+is ordered after its gradients (as DDP's C++ hook). SelSync copies the squared norm to pinned host memory behind a
+CUDA event and decides on the communicator's driver thread (gloo group of its own), so the training thread reads
+nothing before the update; the vote is read after it.
 """
 
 from __future__ import annotations

@@ -97,6 +97,13 @@ class DeviceSelSync(SelSyncStrategy):
     _decide_on_host = False
 
 
+class ThreadSelSync(SelSyncStrategy):
+    """SelSync with the host decision on the communicator's driver thread forced on the CPU (by default only CUDA
+    gradients take it): the path a GPU takes, exercised here."""
+
+    _decide_off_thread = True
+
+
 def _suite(rank: int, out_dir: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -198,7 +205,12 @@ def _suite(rank: int, out_dir: str) -> None:
             self.rows.append([s.last_voters, s.last_delta, s.step_counter.sync_steps])
 
     for agg in ("parameters", "gradients"):
-        for label, cls in (("device", DeviceSelSync), ("host", HostSelSync), ("default", SelSyncStrategy)):
+        for label, cls in (
+            ("device", DeviceSelSync),
+            ("host", HostSelSync),
+            ("default", SelSyncStrategy),
+            ("thread", ThreadSelSync),
+        ):
             decisions = Decisions()
             trainer = fit(
                 f"sel_{agg}_{label}", cls(delta=DELTA_MIXED, aggregation=agg), max_steps=40, callbacks=[decisions]
@@ -207,6 +219,9 @@ def _suite(rank: int, out_dir: str) -> None:
                 "rows": decisions.rows,
                 "lssr": trainer.strategy.step_counter.lssr,
                 "tracker": type(trainer.strategy.tracker).__name__,
+                "off_thread": trainer.strategy._sq_host is not None,
+                "vote_ops": trainer.strategy.comm_stats.ops["vote"],
+                "vote_bytes": trainer.strategy.comm_stats.bytes_sent["vote"],
             }
 
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
@@ -297,22 +312,28 @@ def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg)
     res, params = suite
     for r in res:
         device, host, default = r[f"sel_{agg}_device"], r[f"sel_{agg}_host"], r[f"sel_{agg}_default"]
+        thread = r[f"sel_{agg}_thread"]
         assert device["tracker"] == "DeviceGradientChangeTracker"
-        assert default["tracker"] == "GradientChangeTracker"  # gradients on the CPU: decided on the host
-        for other in (host, default):
+        assert default["tracker"] == "GradientChangeTracker"  # gradients on the CPU: decided on the host, inline
+        assert thread["tracker"] == "GradientChangeTracker" and thread["off_thread"] and not default["off_thread"]
+        for other in (host, default, thread):
             assert device["rows"] == other["rows"]  # voters, Delta (exact float), syncs so far, at every step
             assert device["lssr"] == other["lssr"]
         assert 0 < device["rows"][-1][2] < 40  # a mix of sync and local steps
+        # the driver thread's vote is counted once, as the inline one: 8 bytes (2 floats) per step on 2 ranks
+        assert thread["vote_ops"] == device["vote_ops"] == 40
+        assert thread["vote_bytes"] == device["vote_bytes"] == default["vote_bytes"]
     for rank in range(WORLD):
         dev = params(f"sel_{agg}_device", rank)
-        for label in ("host", "default"):
+        for label in ("host", "default", "thread"):
             other = params(f"sel_{agg}_{label}", rank)
             assert all(torch.equal(dev[k], other[k]) for k in dev)
 
 
 # ------------------------------------------------------------------------------------ no host read (in-process)
+@pytest.mark.parametrize("path", ["device", "thread"])
 @pytest.mark.parametrize("agg", ["parameters", "gradients"])
-def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg):
+def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg, path):
     import lightning.pytorch as pl
 
     from lightning_sync.data import DigitsDataModule
@@ -322,7 +343,7 @@ def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=DeviceSelSync(delta=DELTA_MIXED, aggregation=agg),  # the device path, as on a GPU
+        strategy={"device": DeviceSelSync, "thread": ThreadSelSync}[path](delta=DELTA_MIXED, aggregation=agg),
         max_steps=8,
         callbacks=[probe],
         **quiet_trainer_kwargs(limit_val_batches=0),

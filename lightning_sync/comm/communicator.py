@@ -115,8 +115,8 @@ class _Job:
 
 
 class _Driver:
-    """One thread that runs a communicator's asynchronous compressed all-reduces, one after another in launch order,
-    on a process group of their own.
+    """One thread that runs a communicator's asynchronous compressed all-reduces (and host-prepared all-reduces,
+    :meth:`Communicator.all_reduce_from_host`), one after another in launch order, on a process group of their own.
 
     A compressed all-reduce is two collectives with computation between them (decode, sum, encode), so it cannot be
     one backend ``Work``. Run from this thread on a dedicated group, its collectives keep the same order on every
@@ -128,7 +128,8 @@ class _Driver:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"compressed-allreduce-{comm.rank}", daemon=True)
+        name = f"comm-driver-{comm.backend}-{comm.rank}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -178,27 +179,28 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
-        self._driver: _Driver | None = None
+        self._drivers: dict[str, _Driver] = {}  # by the backend of the driver's group
         #: whether waits are charged as blocked time (a driver's communicator runs off the training thread: no)
         self._charge_blocked = True
         if group is None:
             reset()
 
-    def split(self) -> Communicator:
+    def split(self, backend: str | None = None) -> Communicator:
         """A second group over the same ranks (same accounting and link), so operations on it run independently
         of this one's: an asynchronous all-reduce in flight there does not hold back blocking collectives here.
+        ``backend`` (default: this communicator's) e.g. ``"gloo"`` for host tensors beside an NCCL group.
         Every rank must call this in the same order."""
-        comm = self.subgroup(range(dist.get_world_size()))
+        comm = self.subgroup(range(dist.get_world_size()), backend=backend)
         assert comm is not None
         return comm
 
-    def subgroup(self, ranks: Sequence[int]) -> Communicator | None:
+    def subgroup(self, ranks: Sequence[int], backend: str | None = None) -> Communicator | None:
         """A communicator over ``ranks`` (global ranks, same accounting and link); ``None`` on the other ranks.
         Every rank of the world calls this at the same point with the same ``ranks`` (group creation is collective
         over the world; gloo hangs when only the members create groups in different orders)."""
         members = sorted(set(ranks))
         # new_group's default timeout is torch's (30 min), not the one the default group was given
-        group = dist.new_group(ranks=members, backend=self.backend, timeout=default_timeout())
+        group = dist.new_group(ranks=members, backend=backend or self.backend, timeout=default_timeout())
         return (
             Communicator(self.stats, self.link, group=group, clock=self.clock) if dist.get_rank() in members else None
         )
@@ -211,9 +213,9 @@ class Communicator:
             self.group = None
 
     def close(self) -> None:
-        """Stop the driver thread of asynchronous compressed all-reduces, if one was started (idempotent)."""
-        driver, self._driver = self._driver, None
-        if driver is not None:
+        """Stop the driver threads of asynchronous operations, if any was started (idempotent)."""
+        drivers, self._drivers = self._drivers, {}
+        for driver in drivers.values():
             driver.close()
 
     # ------------------------------------------------------------------ internals
@@ -349,17 +351,48 @@ class Communicator:
         if self._charge_blocked:
             self.stats.record_blocked(tag, time.perf_counter() - start)
 
-    def _start_driver(self) -> _Driver:
-        if self._driver is None:
+    def _start_driver(self, backend: str | None = None) -> _Driver:
+        backend = backend or self.backend
+        if backend not in self._drivers:
             if self.world_size != dist.get_world_size():
                 raise RuntimeError(
-                    "an asynchronous compressed all-reduce needs a communicator over all ranks (its driver's process "
-                    "group is created by every rank); on a subgroup use the blocking form (async_op=False)"
+                    "an asynchronous compressed or host-prepared all-reduce needs a communicator over all ranks (its "
+                    "driver's process group is created by every rank); on a subgroup use a blocking form"
                 )
-            comm = self.split()  # collective over the world: every rank reaches its first asynchronous call here
+            # collective over the world: every rank reaches its first asynchronous call of this kind here
+            comm = self.split(backend=backend)
             comm._charge_blocked = False
-            self._driver = _Driver(comm)
-        return self._driver
+            self._drivers[backend] = _Driver(comm)
+        return self._drivers[backend]
+
+    def all_reduce_from_host(
+        self, tensor: Tensor, prepare: Callable[[], None], op: str = "sum", tag: str = "other"
+    ) -> CommHandle:
+        """Off the training thread: run ``prepare`` (host work that fills ``tensor``, e.g. wait for a CUDA event,
+        read a value the device computed and decide from it), then all-reduce ``tensor`` in place. ``tensor`` is a
+        CPU tensor; both run on this communicator's host driver thread, on a gloo group of its own (created at the
+        first call: every rank must make it at the same point), so the training thread goes on queuing work at once.
+        Returns a handle; the wait on it is charged as blocked time, and re-raises what ``prepare`` raised. Bytes
+        recorded at launch, as :meth:`all_reduce`'s."""
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"all_reduce_from_host needs a CPU tensor, got one on {tensor.device}")
+        nbytes = allreduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.rank, "gloo")
+        self.stats.record_launch(tag, nbytes, blocking=False)
+        driver = self._start_driver("gloo")
+        what = f"all_reduce ({tag}) from the host"
+
+        def run() -> None:
+            prepare()
+            if self.world_size > 1:
+                with failures(what):
+                    dist.all_reduce(tensor, op=_OPS[op], group=driver.comm.group)
+                driver.comm._emulate(nbytes)
+            if op == "avg" and self.world_size > 1:
+                tensor.div_(self.world_size)
+
+        return CommHandle(driver.submit(run), self.stats, tag, what=f"asynchronous {what}")
 
     def broadcast(self, tensor: Tensor, src: int = 0, tag: str = "other") -> None:
         """Blocking broadcast. Every rank's emulated delay is charged on the payload: each rank receives or

@@ -31,7 +31,7 @@ class SelSyncStrategy(SyncStrategy):
     Per step (Alg. 1), on every rank:
 
     1. after backward, the squared norm of the local gradient (one fused dot product over the flat gradient
-       buffer) feeds a :class:`~lightning_sync.core.DeviceGradientChangeTracker`: EWMA over ``window`` steps with
+       buffer) feeds a :class:`~lightning_sync.core.GradientChangeTracker`: EWMA over ``window`` steps with
        factor ``smoothing``, relative change :math:`\Delta(g_i)` of Eq. 2;
     2. the rank votes :math:`\Delta(g_i) \ge \delta` (lines 10-11) and one small all-reduce sums the votes
        (line 12 — the paper all-gathers an N-bit array; a sum carries the same "any" plus the voter count). The
@@ -42,15 +42,19 @@ class SelSyncStrategy(SyncStrategy):
        asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
        ``aggregation="gradients"``: if any rank voted, gradients (and buffers) are averaged before the update.
 
-    **The decision stays on the device.** The norm, the EWMA window, :math:`\Delta` and the vote are float64
-    tensors where the gradients are (the host :class:`~lightning_sync.core.GradientChangeTracker`'s arithmetic,
-    bit for bit), and the vote all-reduce takes them from there. With parameter aggregation nothing is read on the
-    host before the optimizer step is queued: the vote (with the SIGTERM flags and whether this rank's norm was
-    finite) is read once, after the local update — the first point where the host needs the answer, to decide
-    whether to average. When the gradients are on the CPU the host *is* the device: reading the norm stalls no
-    queue, so the decision uses the host :class:`~lightning_sync.core.GradientChangeTracker` (the same arithmetic,
-    bit for bit, and the same checkpoint format) instead of ~20 small tensor operations per step (the largest part
-    of SelSync's per-step work on a small CPU model; ``benchmarks/overhead.py`` part 2). Gradient aggregation needs the
+    **The training thread never waits for the decision before the update is queued.** With the gradients on a CUDA
+    device, the squared norm is computed there and copied, without blocking, into pinned host memory behind a CUDA
+    event; the decision — the host :class:`~lightning_sync.core.GradientChangeTracker` (EWMA window, Eq. 2's
+    :math:`\Delta`), the vote, the SIGTERM flag — and the vote's all-reduce run on the communicator's host driver
+    thread (:meth:`~lightning_sync.comm.Communicator.all_reduce_from_host`, a gloo group of its own), which waits
+    for the event, while the training thread goes on queuing the optimizer step. With parameter aggregation the
+    vote (with the SIGTERM flags and whether this rank's norm was finite) is read once, after the local update —
+    the first point where the host needs the answer, to decide whether to average. Measured on an H100
+    (``benchmarks/overhead.py --accelerator gpu``, README "Hot-path overhead"): the same arithmetic as ~20 small
+    float64 tensor operations on the device (:class:`~lightning_sync.core.DeviceGradientChangeTracker`, bit for
+    bit the host tracker's; still selectable, ``_decide_on_host = False``) costs the training thread ~0.36 ms
+    of kernel launches per step (``benchmarks/vote_cost.py``), more than the host read it avoids. When the
+    gradients are on the CPU the host *is* the device: the host tracker runs inline. Gradient aggregation needs the
     answer *before* the update, so it costs what the order of Alg. 1 implies: the norm needs the whole backward,
     the vote a round trip and a host read of it, and only then can the gradients (one all-reduce, not overlapped
     with backward) go; a local step still pays the vote's round trip before its update.
@@ -177,6 +181,8 @@ class SelSyncStrategy(SyncStrategy):
         self._vote: torch.Tensor | None = None  # see _on_flat_ready
         self._sigterm_votes = 0.0
         self._pending_vote: CommHandle | None = None
+        self._sq_host: torch.Tensor | None = None  # pinned copy of the squared norm (CUDA gradients, host decision)
+        self._sq_ready: torch.cuda.Event | None = None
 
     def _averages_state(self) -> bool:
         return self.aggregation == "parameters"
@@ -197,14 +203,21 @@ class SelSyncStrategy(SyncStrategy):
         """This rank's last :math:`\\Delta(g_i)` (read from the device when asked: metrics, checkpoints)."""
         return self.tracker.last_delta if self.tracker is not None else 0.0
 
-    #: where the decision is computed: ``None`` = on the host when the gradients are on the CPU, else on their
-    #: device; ``False`` forces the device tracker (tests exercise its no-host-read path on the CPU)
+    #: where the decision is computed: ``None`` = on the host (inline for CPU gradients, on the communicator's
+    #: driver thread for CUDA gradients; other accelerators: on the device); ``False`` forces the device tracker
+    #: (tests exercise its no-host-read path on the CPU)
     _decide_on_host: bool | None = None
+    #: whether the host decision runs on the driver thread: ``None`` = for CUDA gradients; ``True`` forces it with
+    #: CPU gradients too (tests exercise the thread's path on the CPU)
+    _decide_off_thread: bool | None = None
+
+    def _grads_device(self) -> torch.device:
+        """Where the gradients are (the squared norm's device)."""
+        return next((g.grads.device for g in self.flat.groups if g.param_numel), self.root_device)
 
     def _new_tracker(self) -> DeviceGradientChangeTracker | GradientChangeTracker:
-        # where the gradients are (the squared norm's device): on an accelerator nothing crosses to the host per step
-        device = next((g.grads.device for g in self.flat.groups if g.param_numel), self.root_device)
-        on_host = device.type == "cpu" if self._decide_on_host is None else self._decide_on_host
+        device = self._grads_device()
+        on_host = device.type in ("cpu", "cuda") if self._decide_on_host is None else self._decide_on_host
         if on_host:
             return GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
         return DeviceGradientChangeTracker(window=self.window, smoothing=self.effective_smoothing, device=device)
@@ -218,6 +231,13 @@ class SelSyncStrategy(SyncStrategy):
         #  whether this rank's norm was finite (local: read with the vote, not sent)]
         device = self.tracker.device if isinstance(self.tracker, DeviceGradientChangeTracker) else torch.device("cpu")
         self._vote = torch.zeros(self._vote_slots() + 1, dtype=torch.float32, device=device)
+        self._sq_host = self._sq_ready = None
+        cuda = self._grads_device().type == "cuda"
+        off_thread = cuda if self._decide_off_thread is None else self._decide_off_thread
+        if isinstance(self.tracker, GradientChangeTracker) and off_thread:
+            # the norm crosses to the host behind an event; the driver thread decides (see the class docstring)
+            self._sq_host = torch.zeros((), dtype=torch.float64, pin_memory=cuda)
+            self._sq_ready = torch.cuda.Event() if cuda else None
 
     def _vote_slots(self) -> int:
         """How many floats the vote all-reduce sends."""
@@ -230,7 +250,7 @@ class SelSyncStrategy(SyncStrategy):
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
-        handle = self.comm.all_reduce(self._cast_vote(), op="sum", tag="vote", async_op=True)
+        handle = self._launch_vote()
         if self.aggregation == "gradients":
             synced = self._resolve_vote(handle)
             if synced:
@@ -252,6 +272,23 @@ class SelSyncStrategy(SyncStrategy):
         self.step_counter.record(synced)
         self._stop_if_sigterm()
 
+    def _launch_vote(self) -> CommHandle:
+        """Lines 8-12 of Alg. 1 in flight: the vote all-reduce, launched without blocking the training thread."""
+        if self._sq_host is None:
+            return self.comm.all_reduce(self._cast_vote(), op="sum", tag="vote", async_op=True)
+        assert self._vote is not None
+        self._sq_host.copy_(self.flat.grad_sq_norm(), non_blocking=True)
+        sq_host, ready, sigterm = self._sq_host, self._sq_ready, self._sigterm_flag()
+        if ready is not None:
+            ready.record()
+
+        def decide() -> None:  # on the communicator's driver thread
+            if ready is not None:
+                ready.synchronize()
+            self._write_vote(float(sq_host), sigterm)
+
+        return self.comm.all_reduce_from_host(self._vote[: self._vote_slots()], decide, op="sum", tag="vote")
+
     def _cast_vote(self) -> torch.Tensor:
         """This rank's vote (Alg. 1 lines 8-11) and SIGTERM flag, all computed on the device (no host read): the
         two floats the vote all-reduce sums."""
@@ -272,18 +309,22 @@ class SelSyncStrategy(SyncStrategy):
     def _cast_vote_on_host(self, tracker: GradientChangeTracker) -> torch.Tensor:
         """:meth:`_cast_vote` with the host tracker (gradients on the CPU): the same values, written from floats."""
         assert self._vote is not None
-        sq_norm = float(self.flat.grad_sq_norm())
-        delta = tracker.update(sq_norm)
+        self._write_vote(float(self.flat.grad_sq_norm()), self._sigterm_flag())
+        return self._vote[: self._vote_slots()]
+
+    def _write_vote(self, sq_norm: float, sigterm: float) -> None:
+        """The host tracker's step (Alg. 1 lines 8-11) on this step's squared norm, written into the vote tensor."""
+        assert self._vote is not None and isinstance(self.tracker, GradientChangeTracker)
+        delta = self.tracker.update(sq_norm)
         if self.calibrator is not None:
             self.threshold = self.calibrator.threshold()
-        values = [1.0 if delta >= self.threshold else 0.0, self._sigterm_flag()]
+        values = [1.0 if delta >= self.threshold else 0.0, sigterm]
         if self.calibrator is not None:
             slots = [0.0] * self.world_size
             slots[self.global_rank] = delta
             values += slots
         values.append(1.0 if math.isfinite(sq_norm) else 0.0)
         self._vote.copy_(torch.tensor(values, dtype=torch.float32))
-        return self._vote[: self._vote_slots()]
 
     def _stop_if_sigterm(self) -> None:
         if self._sigterm_votes > 0:  # some rank received SIGTERM before this step's vote: all stop here
