@@ -147,6 +147,7 @@ def _make_toggle_strategy() -> type:
 
         plain = False
         _count = 0
+        host_s: dict[str, list[float]]
         selsync_on_odd = False
         control = False  # --control: "SelSync's" steps are plain too (an A/A run: what the parities differ by alone)
 
@@ -157,14 +158,23 @@ def _make_toggle_strategy() -> type:
 
         def _after_backward(self, optimizer: Optimizer) -> None:
             if not (self.plain or self.control):
+                t0 = time.perf_counter()
                 super()._after_backward(optimizer)
+                self._host("selsync: norm, tracker, vote, launch", t0)
 
         def _after_update(self, optimizer: Optimizer) -> None:
+            t0 = time.perf_counter()
             if self.plain or self.control:
                 self.step_counter.record(False)
                 self._check_sigterm()
+                self._host("plain: SIGTERM all-reduce", t0)
             else:
                 super()._after_update(optimizer)
+                self._host("selsync: wait for the vote, read it", t0)
+
+        def _host(self, what: str, t0: float) -> None:
+            """Host time of the strategy's own calls in a step (the time split of what a step adds)."""
+            self.host_s.setdefault(what, []).append(time.perf_counter() - t0)
 
     return ToggleSelSync
 
@@ -250,6 +260,7 @@ def _worker(
         blocks = []
         for r in range(repeats):
             strategy = toggle(delta=float("inf"), process_group_backend=backend)
+            strategy.host_s = {}
             strategy.selsync_on_odd = r % 2 == 1  # cancels the parities' own difference over pairs of runs
             strategy.control = control
             timer = StepTimer(warmup, kind=lambda trainer: "plain" if trainer.strategy.plain else "selsync")
@@ -265,6 +276,7 @@ def _worker(
                     "vote_blocked_s": strategy.comm_stats.blocked_seconds["vote"],
                     "vote_ops": strategy.comm_stats.ops["vote"],
                     "selsync_on": "odd" if strategy.selsync_on_odd else "even",
+                    "host_us": {k: statistics.median(v[warmup:] or v) * 1e6 for k, v in strategy.host_s.items()},
                 }
             )
         res[f"selsync_local/{model_name}"] = blocks
@@ -366,6 +378,12 @@ def _report(r0: dict[str, Any]) -> None:
             if any(o.get("selsync_on", "even") == p for o in blocks)
         }
         print("median ratio by SelSync's parity: " + ", ".join(f"{p} {v:.3f}" for p, v in by_parity.items()))
+        hosts = [o["host_us"] for o in blocks if "host_us" in o]
+        if hosts:
+            print(
+                "host time of the strategy's own calls per step, median over runs of the per-run medians: "
+                + "; ".join(f"{k} {statistics.median(h[k] for h in hosts):.0f} us" for k in sorted(hosts[0]))
+            )
     if setup == "cpu" and 3 in parts:
         print("\n## Part 3: one epoch at an emulated 1 Gbit/s, 1 ms link (rank 0; DistributedSampler)")
         print("| model | params | strategy | steps | LSSR | bytes sent / rank | blocked s | epoch s |")
@@ -416,7 +434,10 @@ def main() -> None:
     out: dict[str, Any] = {}
     for setup in setups:
         with tempfile.TemporaryDirectory() as tmp:
-            threads = 1 if setup == "cpu" else None
+            # cpu: one thread per rank (more ranks than cores on the 2-core machine); gpu-shared: each rank its
+            # share of the cores, as Lightning gives the processes of one node (with two one-GPU "nodes" it would
+            # give each process every core: 2x oversubscribed, which made repeated runs differ by +-10%)
+            threads = 1 if setup == "cpu" else max(1, (os.cpu_count() or WORLD) // WORLD)
             launch_local(
                 _worker,
                 WORLD,
