@@ -436,7 +436,15 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
                 run_dir = Path(line["run_dir"])
                 r = RunResult(line["method"], int(line["seed"]), line["link"], run_dir, ok=line["ok"] == "True")
                 r.error, r.killed, r.seconds = line["error"], line["killed"] == "True", float(line["seconds"] or 0)
-                records = read_records(run_dir / "time_to_target.jsonl")
+                path = run_dir / "time_to_target.jsonl"
+                if r.ok and not path.exists():  # else it would show as missed: a silently wrong row
+                    raise ValueError(
+                        f"--merge: {folder}/runs.csv names a run that completed ({line['method']}, seed "
+                        f"{line['seed']}), but its records {path} are not there (a committed report keeps no run "
+                        "folders): merge the folders the runs wrote, or re-render committed reports with "
+                        "benchmarks/bandwidth_grid.py"
+                    )
+                records = read_records(path)
                 r.outcome = outcome(records) if records else None
                 results.append(r)
     if len(targets) != 1:

@@ -367,6 +367,12 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
     assert fast_rows["ddp"]["dropped_extremes"] and fast_rows["ddp"]["mean_s"] == pytest.approx(10.0)  # 5 seeds
     assert (tmp_path / "all" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
     assert (tmp_path / "all" / "1gbit-1ms" / "table.md").read_text().count("*") >= 2  # trimmed means marked
+    # a folder whose run records are gone (a committed report) is refused, not shown as missed runs
+    import shutil
+
+    shutil.rmtree(Path(fast) / "localsgd" / "seed3")
+    with pytest.raises(ValueError, match="localsgd, seed 3.*not there"):
+        compare_main(["--merge", slow, fast, "--out", str(tmp_path / "again")])
 
 
 def test_bandwidth_grid_reads_committed_summaries_one_report_per_link(tmp_path):
