@@ -9,6 +9,11 @@ see exactly the model of the last synced step (DiLoCo: the outer optimizer's glo
 ranks, with no byte sent under the ``eval`` tag, and training must go on from each rank's own replica. A local SGD
 fit interrupted after an epoch and resumed from its checkpoint validates the same models and ends with the same
 replicas as the uninterrupted fit (the copy is in every rank's checkpoint part).
+
+The default ``evaluate="average"``: one exact all-reduce of the model per validation (bytes: the analytic count of
+gloo's ring), none when no training step ran since a sync of the whole model (FedAvg, whose last averaging of an
+epoch is its last step; plain DiLoCo with rounds that end with the epoch): every rank then holds the global model,
+which validation takes as it is (checked identical on every rank with ``verify_sync``).
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ def _suite(rank: int, out_dir: str) -> None:
 
         def on_train_end(self, trainer, pl_module):  # before the strategy's final average
             self.replica = _digest(trainer.strategy.flat.state_tensors())
+            self.buffers = [(t.numel(), t.element_size()) for t in trainer.strategy.flat.state_tensors()]
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self._before is not None:
@@ -131,7 +137,11 @@ def _suite(rank: int, out_dir: str) -> None:
         model = DigitsCNN(lr=0.05, momentum=0.9)
         trainer.fit(model, DigitsDataModule(batch_size=16), ckpt_path=ckpt)
         metrics = trainer.strategy.sync_metrics()
-        return {
+        from lightning_sync.comm.cost import allreduce_bytes
+
+        return {  # one all-reduce per flat buffer
+            "average_bytes": sum(allreduce_bytes(n, size, WORLD, rank, "gloo") for n, size in probe.buffers),
+            "bytes_checkpoint": metrics.get("bytes_checkpoint", 0.0),
             "expected": probe.expected,
             "seen": probe.seen,
             "outer_match": probe.outer_match,
@@ -169,6 +179,9 @@ def _suite(rank: int, out_dir: str) -> None:
     res: dict[str, Any] = {
         "localsgd": fit("localsgd", LocalSGDStrategy(period=4, evaluate="last_sync")),
         "localsgd_average": fit("localsgd_average", LocalSGDStrategy(period=4)),
+        # evaluate="average" right after a sync of the whole model: the epoch's last step syncs
+        "fedavg_in_sync": fit("fedavg_in_sync", FedAvgStrategy(syncs_per_epoch=2, verify_sync=True)),
+        "diloco_in_sync": fit("diloco_in_sync", DiLoCoStrategy(sync_every=3, verify_sync=True)),
         "fedavg": fit("fedavg", FedAvgStrategy(syncs_per_epoch=2, evaluate="last_sync")),
         "adpsgd": fit("adpsgd", ADPSGDStrategy(warmup_epochs=0, evaluate="last_sync")),
         "selsync": fit("selsync", SelSyncStrategy(evaluate="last_sync")),
@@ -208,7 +221,24 @@ def test_local_sgd_validates_two_local_steps_behind_its_replicas(suite):
     ``evaluate="average"`` validates (one all-reduce each time)."""
     last_sync, average = suite[0]["localsgd"], suite[0]["localsgd_average"]
     assert last_sync["seen"] != average["seen"]
-    assert average["bytes_eval"] > 0
+    for r in suite:  # one exact all-reduce of parameters and buffers per validation
+        assert r["localsgd_average"]["bytes_eval"] == EPOCHS * r["localsgd_average"]["average_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ("fedavg_in_sync", "diloco_in_sync"))
+def test_the_average_right_after_a_sync_of_the_whole_model_sends_nothing(suite, name):
+    """Every validation comes right after an averaging: the replicas are identical (``verify_sync`` gathers their
+    checksums there and would raise otherwise), so validation and ModelCheckpoint's main file take the model as it
+    is — the synced model, the same on both ranks — and training goes on from it."""
+    a, b = suite[0][name], suite[1][name]
+    assert len(a["seen"]) == EPOCHS and a["seen"] == b["seen"]
+    assert a["seen"] == a["expected"] == b["expected"], "validation did not see the synced model"
+    assert all(a["restored"]) and all(b["restored"]) and len(a["restored"]) == EPOCHS - 1
+    for r in (a, b):
+        assert r["bytes_eval"] == 0.0
+        assert r["bytes_checkpoint"] < 10_000  # no model-sized all-reduce for the main checkpoint file either
+    if name == "diloco_in_sync":
+        assert a["outer_match"] == [True] * EPOCHS  # the outer step's global parameters
 
 
 def test_streaming_diloco_validates_each_fragments_global_values(suite):

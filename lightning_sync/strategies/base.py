@@ -401,6 +401,7 @@ class SyncStrategy(
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers")
         self._record_synced()  # evaluate="last_sync": every rank holds the global model now
+        self._mark_in_sync()  # and validation before the next step needs no average
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all

@@ -304,6 +304,8 @@ class DiLoCoStrategy(SyncStrategy):
                     if self.alpha:
                         buf.lerp_(region, self.alpha)
                     region.copy_(buf)
+        if self.fragments == 1 and self.alpha == 0.0:
+            self._mark_in_sync()  # the whole model, taken as is: every rank holds the global model
 
     def _drain(self) -> None:
         """Apply the fragment in flight now (the end of training)."""
@@ -322,6 +324,7 @@ class DiLoCoStrategy(SyncStrategy):
             launched = self.schedule.last_launch(f, last)
             since.append(self._step if launched is None else last - launched)
         if not any(since) and (self.delay == 0 or self.alpha == 0.0):
+            self._mark_in_sync()
             return  # every fragment synced at the last step and was taken as is: the replicas hold the global model
         tensors = self.flat.state_tensors()
         if self.compressor is not None and self.world_size > 1:
@@ -341,6 +344,7 @@ class DiLoCoStrategy(SyncStrategy):
         if self.verify_sync:
             self._verify(tensors, "parameters and buffers after the final sync")
         self._record_synced()
+        self._mark_in_sync()
 
     # ------------------------------------------------------------------ failures and teardown
     def on_exception(self, exception: BaseException) -> None:

@@ -13,7 +13,10 @@ most recent synchronisation — what every rank held right after it (with an out
 copy on every rank, so validation and the main checkpoint file send nothing. It costs one model-sized copy per
 rank (in memory and in each rank's checkpoint part) and a copy per sync; the model validated lags the replicas by
 the local steps since that sync. The default, ``"average"``, is exact at the moment of validation and costs one
-all-reduce of the model per validation.
+all-reduce of the model per validation — except when no training step has run since a sync of the whole model
+(a local SGD period or FedAvg round that ends with the epoch, DiLoCo's plain sync): every rank then holds that
+global model, which is the replicas' average, and validation (or the main checkpoint file) takes it as it is, with
+no communication. With ``verify_sync=True`` the replicas are checked to be identical there (one checksum gather).
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class GlobalModelEvaluation:
     evaluate: str = "average"
     #: with ``evaluate="last_sync"``: every flat group's state (parameters, then buffers) as of the last sync
     _synced: list[Tensor] | None = None
+    #: every rank holds the same parameters and buffers: set by a sync of the whole model (:meth:`_mark_in_sync`),
+    #: cleared by every training step (forward: BatchNorm statistics; then the update). Identical on every rank (it
+    #: follows the step schedule), so every rank skips the same collectives.
+    _in_sync: bool = False
 
     def _evaluates_average(self) -> bool:
         """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
@@ -62,11 +69,20 @@ class GlobalModelEvaluation:
         """Whether that global model is the last sync's copy (no communication) rather than a fresh average."""
         return self.evaluate == "last_sync" and self._evaluates_average()
 
+    def _mark_in_sync(self) -> None:
+        """After a sync that left every rank holding the whole global model (parameters and buffers)."""
+        self._in_sync = True
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_sync = False  # the forward moves BatchNorm statistics; the update follows
+        return super().training_step(*args, **kwargs)
+
     # ------------------------------------------------------------------ evaluate="last_sync": the copy
     def _init_synced(self) -> None:
         """At setup, replicas identical (after the setup broadcast): the copy starts as them. A resume then loads the
         saved copy (:meth:`_load_synced`)."""
         self._synced = None
+        self._in_sync = False  # a fit starts (or resumes) with no sync of its own yet
         if self.evaluate == "last_sync":
             self._synced = [g.state.detach().clone() for g in self.flat.groups]
 
@@ -120,14 +136,19 @@ class GlobalModelEvaluation:
             self._eval_replica = None
         super().on_validation_end()
 
-    def _swap_in_average(self, tag: str) -> list[Tensor]:
+    def _swap_in_average(self, tag: str) -> list[Tensor] | None:
         """Average parameters and buffers into the module (one exact all-reduce per flat buffer, counted under
-        ``tag``); return this rank's values from before, for :meth:`_put_back`.
+        ``tag``); return this rank's values from before, for :meth:`_put_back`. ``None`` (nothing sent, nothing to
+        put back) when the replicas are in sync (:attr:`_in_sync`): they are their average.
 
         This is an observation, not a sync: it changes no method state — no outer-optimizer step (with DiLoCo's
         outer optimizer, validation sees the replicas' plain mean, not the next outer step), no compression
         reference or error feedback (the mean is exact, in the data's dtype)."""
         tensors = self.flat.state_tensors()
+        if self._in_sync:
+            if self.verify_sync:
+                self._verify(tensors, f"parameters and buffers (in sync since the last sync, at {tag!r})")
+            return None
         replica = [t.detach().clone() for t in tensors]
         self.comm.all_reduce_many(tensors, op="avg", tag=tag)
         return replica
@@ -143,7 +164,9 @@ class GlobalModelEvaluation:
                 g.state.copy_(saved)
         return replica
 
-    def _put_back(self, replica: list[Tensor]) -> None:
+    def _put_back(self, replica: list[Tensor] | None) -> None:
+        if replica is None:  # nothing was swapped in
+            return
         for tensor, saved in zip(self.flat.state_tensors(), replica):
             tensor.copy_(saved)
 
