@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 
@@ -51,7 +50,10 @@ def test_all_reduce_between_two_hosts_is_rate_limited():
         assert codes == [0, 0], outs
         times = [float(x) for x in outs[0].split("TIMES")[1].split()]
         expected = gloo_ring_allreduce_bytes(NUMEL, 4, 2, 0) * 8 / RATE
-        assert statistics.median(times) == pytest.approx(expected, rel=0.2)
+        # The fastest of the repeats: a loaded machine's scheduling only adds time (a CI run at nice 19 beside a
+        # benchmark measured a median of 1.21x the link's time), while the qdisc sets the floor — without it the
+        # 4 MB take a few ms.
+        assert 0.8 * expected <= min(times) <= 1.5 * expected, (times, expected)
     assert cluster.existing() == []
 
 
