@@ -38,13 +38,46 @@ def test_constant_period_exact_steps(period, warmup, expected):
     assert ConstantPeriod.count(10, period, warmup) == len(expected)
 
 
+@pytest.mark.parametrize(
+    "period,warmup,offset,expected",
+    [
+        (3, 0, 2, [2, 5, 8]),  # after every 3 local steps (torchft's LocalSGD, DiLoCo's sync_every)
+        (3, 0, 1, [1, 4, 7]),
+        (5, 0, 4, [4, 9]),  # epochs of 5 steps: every epoch ends on an averaging, none before the first ends
+        (3, 2, 2, [0, 1, 4, 7]),  # the offset counts from the end of the warm-up
+        (1, 0, 0, list(range(10))),
+        (20, 0, 19, []),
+    ],
+)
+def test_constant_period_offset_exact_steps(period, warmup, offset, expected):
+    cp = ConstantPeriod(period, warmup_steps=warmup, offset=offset)
+    got = [k for k in range(10) if cp.should_average(k)]
+    assert got == expected
+    assert ConstantPeriod.count(10, period, warmup, offset) == len(expected)
+
+
+def test_constant_period_aligned_with_epochs():
+    """offset=period-1 with the period dividing the epoch: the last step of every epoch averages, and the
+    averagings are K/p (no warm-up spent lining them up; with offset 0 the same alignment took p-1 warm-up steps)."""
+    steps_per_epoch, period, epochs = 20, 10, 3
+    cp = ConstantPeriod(period, offset=period - 1)
+    for epoch in range(epochs):
+        assert cp.should_average((epoch + 1) * steps_per_epoch - 1)
+    total = epochs * steps_per_epoch
+    assert ConstantPeriod.count(total, period, 0, period - 1) == total // period
+    aligned_by_warmup = ConstantPeriod.count(total, period, period - 1)
+    assert aligned_by_warmup == total // period + period - 1
+
+
 def test_constant_period_count_matches_brute_force():
     for num_steps in range(0, 41):
         for period in range(1, 8):
             for warmup in range(0, 7):
-                cp = ConstantPeriod(period, warmup)
-                brute = sum(cp.should_average(k) for k in range(num_steps))
-                assert ConstantPeriod.count(num_steps, period, warmup) == brute, (num_steps, period, warmup)
+                for offset in range(period):
+                    cp = ConstantPeriod(period, warmup, offset)
+                    brute = sum(cp.should_average(k) for k in range(num_steps))
+                    got = ConstantPeriod.count(num_steps, period, warmup, offset)
+                    assert got == brute, (num_steps, period, warmup, offset)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +89,9 @@ def test_constant_period_count_matches_brute_force():
         ({"period": True}, "period"),
         ({"period": 2, "warmup_steps": -1}, "warmup_steps"),
         ({"period": 2, "warmup_steps": 0.5}, "warmup_steps"),
+        ({"period": 2, "offset": 2}, r"offset must be an integer in \[0, 1\]"),
+        ({"period": 2, "offset": -1}, "offset"),
+        ({"period": 1, "offset": 1}, r"offset must be an integer in \[0, 0\]"),
     ],
 )
 def test_constant_period_bad_args(kwargs, name):
@@ -72,6 +108,8 @@ def test_constant_period_bad_step_and_count_args():
         ConstantPeriod.count(10, 0)
     with pytest.raises(ValueError, match="warmup_steps"):
         ConstantPeriod.count(10, 2, -3)
+    with pytest.raises(ValueError, match="offset"):
+        ConstantPeriod.count(10, 2, 0, 2)
 
 
 # -------------------------------------------------------------------------------------------- ADPSGDController

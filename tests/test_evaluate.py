@@ -147,6 +147,7 @@ def _suite(rank: int, out_dir: str) -> None:
             "outer_match": probe.outer_match,
             "restored": probe.restored,
             "bytes_eval": metrics.get("bytes_eval", 0.0),
+            "bytes_final": metrics.get("bytes_final", 0.0),
             "replica": probe.replica,
             "model": _digest(v for v in model.state_dict().values() if v.is_floating_point()),
             "last": checkpoint.last_model_path,
@@ -182,6 +183,8 @@ def _suite(rank: int, out_dir: str) -> None:
         # evaluate="average" right after a sync of the whole model: the epoch's last step syncs
         "fedavg_in_sync": fit("fedavg_in_sync", FedAvgStrategy(syncs_per_epoch=2, verify_sync=True)),
         "diloco_in_sync": fit("diloco_in_sync", DiLoCoStrategy(sync_every=3, verify_sync=True)),
+        # offset=period-1: averaging after steps 2, 5, 8, ... — every 6-step epoch ends on one, with no warm-up
+        "localsgd_in_sync": fit("localsgd_in_sync", LocalSGDStrategy(period=3, offset=2, verify_sync=True)),
         "fedavg": fit("fedavg", FedAvgStrategy(syncs_per_epoch=2, evaluate="last_sync")),
         "adpsgd": fit("adpsgd", ADPSGDStrategy(warmup_epochs=0, evaluate="last_sync")),
         "selsync": fit("selsync", SelSyncStrategy(evaluate="last_sync")),
@@ -223,9 +226,11 @@ def test_local_sgd_validates_two_local_steps_behind_its_replicas(suite):
     assert last_sync["seen"] != average["seen"]
     for r in suite:  # one exact all-reduce of parameters and buffers per validation
         assert r["localsgd_average"]["bytes_eval"] == EPOCHS * r["localsgd_average"]["average_bytes"] > 0
+        # and one more at the end (average_at_end): the last step (17) is 1 local step past the averaging after 16
+        assert r["localsgd_average"]["bytes_final"] == r["localsgd_average"]["average_bytes"]
 
 
-@pytest.mark.parametrize("name", ("fedavg_in_sync", "diloco_in_sync"))
+@pytest.mark.parametrize("name", ("fedavg_in_sync", "diloco_in_sync", "localsgd_in_sync"))
 def test_the_average_right_after_a_sync_of_the_whole_model_sends_nothing(suite, name):
     """Every validation comes right after an averaging: the replicas are identical (``verify_sync`` gathers their
     checksums there and would raise otherwise), so validation and ModelCheckpoint's main file take the model as it
@@ -237,6 +242,7 @@ def test_the_average_right_after_a_sync_of_the_whole_model_sends_nothing(suite, 
     for r in (a, b):
         assert r["bytes_eval"] == 0.0
         assert r["bytes_checkpoint"] < 10_000  # no model-sized all-reduce for the main checkpoint file either
+        assert r["bytes_final"] == 0.0  # the last step synced: average_at_end has nothing to average
     if name == "diloco_in_sync":
         assert a["outer_match"] == [True] * EPOCHS  # the outer step's global parameters
 

@@ -11,6 +11,8 @@ import torch
 from launch import run_suite
 from tolerance import assert_equal_in_exact_arithmetic
 
+from lightning_sync.core.periodic import ConstantPeriod
+
 WORLD = 4
 K = 10
 
@@ -74,6 +76,14 @@ def _suite(rank: int, out_dir: str) -> None:
     }
     tr = fit("localsgd_warm", LocalSGDStrategy(period=4, warmup_steps=3))
     res["localsgd_warm_ops"] = tr.strategy.comm_stats.ops["params"]
+    agree = Agreement(state_bits)
+    tr = fit("localsgd_offset", LocalSGDStrategy(period=4, offset=3), callbacks=[agree])
+    res["localsgd_offset"] = {
+        "param_ops": tr.strategy.comm_stats.ops["params"],
+        "final_ops": tr.strategy.comm_stats.ops["final"],
+        "sync_steps": tr.strategy.step_counter.sync_steps,
+        "agree": [len(set(r)) == 1 for r in agree.rows],
+    }
 
     # 2. period 1 == BSP: equal in exact arithmetic, checked in float64 (tests/tolerance.py)
     fit("bsp", BSPStrategy(), precision="64-true")
@@ -142,6 +152,17 @@ def test_local_sgd_averaging_count_from_accounting(suite):
         assert r["localsgd_warm_ops"] == 3 + math.ceil((K - 3) / 4)
 
 
+def test_local_sgd_offset_averages_after_every_period_of_local_steps(suite):
+    """offset=period-1: averaging after steps 3 and 7 of 10 (torchft's LocalSGD schedule), replicas identical
+    exactly there; the last steps (8, 9) are local, so average_at_end sends one more all-reduce."""
+    _, res = suite
+    for r in res:
+        m = r["localsgd_offset"]
+        assert m["param_ops"] == m["sync_steps"] == 2 == ConstantPeriod.count(K, 4, 0, 3)
+        assert m["agree"] == [step % 4 == 3 for step in range(K)]
+        assert m["final_ops"] == 1
+
+
 def test_local_sgd_period_one_is_bsp(suite):
     out, _ = suite
     assert_equal_in_exact_arithmetic(_load(out, "localsgd1"), _load(out, "bsp"), K, "local SGD period 1 vs BSP")
@@ -176,7 +197,7 @@ def test_adpsgd_period_adapts_and_ranks_agree(suite):
 
 def test_fedavg_and_local_sgd_hand_back_the_averaged_model(suite):
     out, res = suite
-    assert res[0]["fedavg"]["final_ops"] == 1
+    assert res[0]["fedavg"]["final_ops"] == 0  # its last sync is the epoch's last step: nothing left to average
     for name in ("fedavg", "localsgd3", "adpsgd_full"):
         ranks = [_load(out, name, r) for r in range(WORLD)]
         assert all(torch.equal(ranks[0][k], other[k]) for other in ranks[1:] for k in ranks[0])

@@ -567,6 +567,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         base_specs(),
         period=int_arg("period", 1),
         warmup_steps=int_arg("warmup_steps", 0),
+        offset=int_arg("offset", 0, 7, note="in [0, period - 1]: [0, 7] with the default period 8"),
         average_at_end=bool_arg("average_at_end"),
         evaluate=_EVALUATE,
         outer_optimizer=_OUTER,

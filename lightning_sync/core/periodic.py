@@ -31,35 +31,40 @@ __all__ = [
 
 class ConstantPeriod:
     r"""CPSGD (Alg. 1): average after the local update of step :math:`k` when :math:`k \bmod p = 0` (line 5),
-    i.e. Eq. 4 applies :math:`A_n` at :math:`k = 0, p, 2p, \dots`; plus a warm-up.
+    i.e. Eq. 4 applies :math:`A_n` at :math:`k = 0, p, 2p, \dots`; plus a warm-up and an offset.
 
     Warm-up: steps :math:`0, \dots, w-1` always average (period 1, as ADPSGD's first epoch in §IV-B and
     post-local SGD). Afterwards Alg. 1 restarts its count at the end of the warm-up: step :math:`k \ge w`
-    averages when :math:`(k - w) \bmod p = 0`. With ``warmup_steps=0`` this is exactly Alg. 1, whose first
-    averaging is after step 0; with ``period=1`` every step averages (fully synchronous SGD, FULLSGD).
+    averages when :math:`(k - w) \bmod p = o`, with the offset :math:`o \in [0, p-1]`. With ``warmup_steps=0``
+    and ``offset=0`` this is exactly Alg. 1, whose first averaging is after step 0; ``offset=period - 1``
+    averages after every :math:`p` local steps (steps :math:`p-1, 2p-1, \dots`: torchft's ``LocalSGD`` and
+    DiLoCo's ``sync_every``), so when :math:`p` divides an epoch's steps every epoch ends on an averaging; with
+    ``period=1`` every step averages (fully synchronous SGD, FULLSGD).
 
     Stateless: the decision depends only on the step index, so there is nothing to checkpoint.
     """
 
-    def __init__(self, period: int, warmup_steps: int = 0) -> None:
+    def __init__(self, period: int, warmup_steps: int = 0, offset: int = 0) -> None:
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.offset = check_int("offset", offset, 0, self.period - 1)
 
     def should_average(self, step: int) -> bool:
         """Whether to average after the local update of the 0-based optimizer step ``step``."""
         step = check_int("step", step, 0)
         if step < self.warmup_steps:
             return True
-        return (step - self.warmup_steps) % self.period == 0
+        return (step - self.warmup_steps) % self.period == self.offset
 
     @staticmethod
-    def count(num_steps: int, period: int, warmup_steps: int = 0) -> int:
+    def count(num_steps: int, period: int, warmup_steps: int = 0, offset: int = 0) -> int:
         r"""Number of averagings over steps :math:`0, \dots, K-1`:
-        :math:`\min(K, w) + \lceil \max(0, K - w) / p \rceil`."""
+        :math:`\min(K, w) + \lceil \max(0, K - w - o) / p \rceil`."""
         num_steps = check_int("num_steps", num_steps, 0)
         period = check_int("period", period, 1)
         warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        after = max(0, num_steps - warmup_steps)
+        offset = check_int("offset", offset, 0, period - 1)
+        after = max(0, num_steps - warmup_steps - offset)
         return min(num_steps, warmup_steps) + (after + period - 1) // period
 
 

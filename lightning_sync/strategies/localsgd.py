@@ -18,9 +18,13 @@ class LocalSGDStrategy(SyncStrategy):
     r"""Every rank steps on its own gradients; parameters and buffers are averaged every ``period`` steps.
 
     Alg. 1 line 5-6: after the local update of step :math:`k` (0-based), average when
-    :math:`(k - \text{warmup}) \bmod p = 0`; during the first ``warmup_steps`` steps average every step (the
-    post-local-SGD warm-up). Over :math:`K` steps that is :math:`\min(K, w) + \lceil (K - w)/p \rceil` averagings
-    (:math:`\lceil K/p \rceil` without warm-up; the first one right after step 0).
+    :math:`(k - \text{warmup}) \bmod p = \text{offset}`; during the first ``warmup_steps`` steps average every step
+    (the post-local-SGD warm-up). Over :math:`K` steps that is :math:`\min(K, w) + \lceil (K - w - o)/p \rceil`
+    averagings (:math:`\lceil K/p \rceil` with neither; the first one right after step 0). ``offset=period - 1``
+    averages after every ``period`` local steps instead (steps :math:`p-1, 2p-1, \dots`, as torchft's ``LocalSGD``
+    and :class:`~lightning_sync.strategies.diloco.DiLoCoStrategy`): when ``period`` divides the epoch's steps, each
+    epoch ends on an averaging, so the validation after it needs no all-reduce (the replicas are identical there)
+    and no per-step warm-up is spent lining the schedule up with the epochs.
 
     ``period=1`` is BSP for SGD with momentum and weight decay, exactly: all replicas start equal, and the SGD update
     :math:`m \leftarrow \mu m + g + \lambda w,\ w \leftarrow w - \eta m` is linear in :math:`(w, m, g)`, so the
@@ -41,6 +45,8 @@ class LocalSGDStrategy(SyncStrategy):
     Args:
         period: averaging period :math:`p \ge 1` in optimizer steps.
         warmup_steps: steps at the start that average every step (>= 0).
+        offset: where in each period the averaging falls, an integer in [0, ``period`` - 1]: 0 (default, Alg. 1)
+            averages right after the first step of each period, ``period - 1`` after its last.
         outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
             ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
             of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
@@ -61,6 +67,7 @@ class LocalSGDStrategy(SyncStrategy):
         self,
         period: int = 8,
         warmup_steps: int = 0,
+        offset: int = 0,
         average_at_end: bool = True,
         evaluate: Literal["average", "last_sync"] = "average",
         outer_optimizer: Mapping[str, Any] | None = None,
@@ -68,13 +75,14 @@ class LocalSGDStrategy(SyncStrategy):
     ) -> None:
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.offset = check_int("offset", offset, 0, self.period - 1)
         self.outer_config = parse_outer_optimizer(outer_optimizer)
         if not isinstance(average_at_end, bool):
             raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
         self.average_at_end = average_at_end
         self.evaluate = check_evaluate(evaluate)
         super().__init__(**kwargs)
-        self.schedule = ConstantPeriod(self.period, self.warmup_steps)
+        self.schedule = ConstantPeriod(self.period, self.warmup_steps, self.offset)
         self._step = 0
 
     def _after_update(self, optimizer: Optimizer) -> None:

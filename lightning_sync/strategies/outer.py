@@ -61,9 +61,10 @@ class OuterAveraging:
         r"""``average_at_end``: hand back the global model, not rank 0's replica. Without an outer optimizer, the
         average of the replicas (w = W 1/n). With one, the outer step on the inner steps since the last one — the
         global model DiLoCo would hold after one more sync; none when the last step synced (the replicas then hold
-        :math:`\theta_{global}`, and a step on a zero pseudo-gradient would still move it by the momentum)."""
+        :math:`\theta_{global}`, and a step on a zero pseudo-gradient would still move it by the momentum). Without
+        one, none either when the last step synced the whole model (:attr:`_in_sync`): the replicas are identical."""
         if self.outer is None:
-            if self.world_size > 1:
+            if self.world_size > 1 and not self._in_sync:  # in sync: the replicas are their average already
                 self.average_state(tag="final")
         elif self._updates_since_average > 0:
             self.average_state(tag="final")
