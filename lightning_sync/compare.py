@@ -117,7 +117,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "'<strategy> (tuned)' next to each default row that has a recipe; 'only': tuned rows replace the default "
         "rows that have one",
     )
-    parser.add_argument("--recipes-dir", default="examples/recipes", help="where the recipes are (examples/recipes)")
+    parser.add_argument(
+        "--recipes-dir",
+        default="examples/recipes",
+        help="the folder of <workload>/<strategy>.yaml recipes (default examples/recipes, read from the current "
+        "directory: the repository root); a missing <workload> folder is an error",
+    )
     parser.add_argument("--target", type=float, default=None, help="override the config's target value")
     parser.add_argument("--metric", default=None, help="override the config's target metric (a validation metric)")
     parser.add_argument(
@@ -184,6 +189,14 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
     """The table's rows: each named strategy's default row and, with ``--recipes``, its tuned row."""
     names = [n.strip() for n in (args.strategies or default_strategies()).split(",") if n.strip()]
     strategy_args = parse_strategy_args(args, parser)
+    if args.recipes and not (Path(args.recipes_dir) / workload).is_dir():
+        # a missing folder is a wrong place (the default is relative to the current directory), not "no recipes":
+        # running the default rows under a tuned table's name would be a silently wrong table
+        parser.error(
+            f"--recipes: no recipe folder {Path(args.recipes_dir) / workload} (--recipes-dir {args.recipes_dir!r} is "
+            f"read from {Path.cwd()}); run from the repository root or pass --recipes-dir PATH to the folder that "
+            f"holds {workload}/<strategy>.yaml"
+        )
     rows: list[Row] = []
     for entry in names:
         name, _, codec = entry.partition("+")

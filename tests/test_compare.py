@@ -141,6 +141,28 @@ def test_recipes_make_tuned_rows_next_to_the_default_rows(tmp_path):
     assert rows[2].init_args == {"delta": 0.1}
 
 
+def test_recipes_from_a_missing_folder_are_refused_not_replaced_by_the_default_rows(tmp_path, monkeypatch, capsys):
+    from lightning_sync.benchmark.recipes import Recipe, write_recipe
+    from lightning_sync.compare import build_rows, parse_args
+
+    # the default --recipes-dir is relative: run from elsewhere, `--recipes only` used to print one line and run the
+    # default rows under a table the user asked to be tuned
+    monkeypatch.chdir(tmp_path)
+    args, _, parser = parse_args(["--strategies", "ddp,fedavg", "--recipes", "only"])
+    with pytest.raises(SystemExit):
+        build_rows(args, "words", 0.1, parser)
+    err = capsys.readouterr().err
+    assert "examples/recipes/words" in err and "--recipes-dir" in err and str(tmp_path) in err
+    # a folder for the workload that lacks one method's recipe keeps that method's default row (documented)
+    write_recipe(tmp_path / "examples" / "recipes" / "words" / "fedavg.yaml", Recipe("fedavg", {"syncs_per_epoch": 2}))
+    args, _, parser = parse_args(["--strategies", "ddp,fedavg,selsync", "--recipes", "only"])
+    assert [r.label for r in build_rows(args, "words", 0.1, parser)] == ["ddp", "fedavg (tuned)", "selsync"]
+    # without --recipes the folder is never read
+    monkeypatch.chdir(tmp_path / "examples")
+    args, _, parser = parse_args(["--strategies", "ddp,fedavg"])
+    assert [r.label for r in build_rows(args, "words", 0.1, parser)] == ["ddp", "fedavg"]
+
+
 def test_a_codec_suffix_adds_the_compressed_row_with_its_compression_argument(tmp_path):
     from lightning_sync.benchmark.recipes import Recipe, write_recipe
     from lightning_sync.compare import build_rows, parse_args
