@@ -171,6 +171,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error("--run-timeout must be > 0 seconds")
     if args.cluster and args.link:
         parser.error("--cluster runs on kernel rate-limited links; --link would emulate another link on top of them")
+    if args.recipes and not (Path(args.recipes_dir) / args.workload).is_dir():
+        # a missing folder is a wrong place (the default is relative to the current directory), not "no recipes":
+        # running the default rows under a tuned table's name would be a silently wrong table
+        parser.error(
+            f"--recipes: no recipe folder {Path(args.recipes_dir) / args.workload} (--recipes-dir "
+            f"{args.recipes_dir!r} is read from {Path.cwd()}); run from the repository root or pass --recipes-dir PATH "
+            f"to the folder that holds {args.workload}/<strategy>.yaml"
+        )
     return args, extra, parser
 
 
@@ -189,14 +197,6 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
     """The table's rows: each named strategy's default row and, with ``--recipes``, its tuned row."""
     names = [n.strip() for n in (args.strategies or default_strategies()).split(",") if n.strip()]
     strategy_args = parse_strategy_args(args, parser)
-    if args.recipes and not (Path(args.recipes_dir) / workload).is_dir():
-        # a missing folder is a wrong place (the default is relative to the current directory), not "no recipes":
-        # running the default rows under a tuned table's name would be a silently wrong table
-        parser.error(
-            f"--recipes: no recipe folder {Path(args.recipes_dir) / workload} (--recipes-dir {args.recipes_dir!r} is "
-            f"read from {Path.cwd()}); run from the repository root or pass --recipes-dir PATH to the folder that "
-            f"holds {workload}/<strategy>.yaml"
-        )
     rows: list[Row] = []
     for entry in names:
         name, _, codec = entry.partition("+")

@@ -118,18 +118,20 @@ def test_recipes_make_tuned_rows_next_to_the_default_rows(tmp_path):
     from lightning_sync.compare import build_rows, parse_args
 
     write_recipe(tmp_path / "vgg" / "selsync.yaml", Recipe("selsync", {"delta": 0.1}, lr_scale=0.5, args=("--x=1",)))
-    args, _, parser = parse_args(["--strategies", "ddp,selsync,bsp", "--recipes", "--recipes-dir", str(tmp_path)])
+    args, _, parser = parse_args(
+        ["--workload", "vgg", "--strategies", "ddp,selsync,bsp", "--recipes", "--recipes-dir", str(tmp_path)]
+    )
     rows = build_rows(args, "vgg", 0.2, parser)
     assert [r.label for r in rows] == ["ddp", "selsync", "selsync (tuned)", "bsp"]
     tuned = rows[2]
     assert tuned.init_args == {"delta": 0.1} and tuned.extra == ["--x=1", "--model.init_args.lr=0.1"]
     args, _, parser = parse_args(
-        ["--strategies", "ddp,selsync,bsp", "--recipes", "only", "--recipes-dir", str(tmp_path)]
+        ["--workload", "vgg", "--strategies", "ddp,selsync,bsp", "--recipes", "only", "--recipes-dir", str(tmp_path)]
     )
     assert [r.label for r in build_rows(args, "vgg", 0.2, parser)] == ["ddp", "selsync (tuned)", "bsp"]
     # --strategy-arg applies to the method's rows, the tuned one included (on top of the recipe's arguments)
     args, _, parser = parse_args(
-        ["--strategies", "ddp,selsync", "--recipes", "--recipes-dir", str(tmp_path)]
+        ["--workload", "vgg", "--strategies", "ddp,selsync", "--recipes", "--recipes-dir", str(tmp_path)]
         + ["--strategy-arg", "selsync.evaluate=last_sync"]
     )
     rows = build_rows(args, "vgg", 0.2, parser)
@@ -148,14 +150,15 @@ def test_recipes_from_a_missing_folder_are_refused_not_replaced_by_the_default_r
     # the default --recipes-dir is relative: run from elsewhere, `--recipes only` used to print one line and run the
     # default rows under a table the user asked to be tuned
     monkeypatch.chdir(tmp_path)
-    args, _, parser = parse_args(["--strategies", "ddp,fedavg", "--recipes", "only"])
+    argv = ["--workload", "words", "--strategies", "ddp,fedavg", "--recipes", "only", "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit):
-        build_rows(args, "words", 0.1, parser)
+        compare_main(argv)
     err = capsys.readouterr().err
     assert "examples/recipes/words" in err and "--recipes-dir" in err and str(tmp_path) in err
+    assert not (tmp_path / "out").exists()  # refused before the output folder or its base config is written
     # a folder for the workload that lacks one method's recipe keeps that method's default row (documented)
     write_recipe(tmp_path / "examples" / "recipes" / "words" / "fedavg.yaml", Recipe("fedavg", {"syncs_per_epoch": 2}))
-    args, _, parser = parse_args(["--strategies", "ddp,fedavg,selsync", "--recipes", "only"])
+    args, _, parser = parse_args(["--workload", "words", "--strategies", "ddp,fedavg,selsync", "--recipes", "only"])
     assert [r.label for r in build_rows(args, "words", 0.1, parser)] == ["ddp", "fedavg (tuned)", "selsync"]
     # without --recipes the folder is never read
     monkeypatch.chdir(tmp_path / "examples")
@@ -168,7 +171,8 @@ def test_a_codec_suffix_adds_the_compressed_row_with_its_compression_argument(tm
     from lightning_sync.compare import build_rows, parse_args
 
     write_recipe(tmp_path / "words" / "localsgd.yaml", Recipe("localsgd", {"period": 4}))
-    argv = ["--strategies", "ddp,localsgd,localsgd+bf16,diloco+int8", "--recipes", "--recipes-dir", str(tmp_path)]
+    argv = ["--workload", "words", "--strategies", "ddp,localsgd,localsgd+bf16,diloco+int8", "--recipes"]
+    argv += ["--recipes-dir", str(tmp_path)]
     args, _, parser = parse_args(argv)
     rows = build_rows(args, "words", 0.1, parser)
     labels = [r.label for r in rows]
