@@ -13,8 +13,11 @@ speedups against bandwidth (log axes, DDP the line at 1, min-max of the ratio as
 method against DDP's mean and the fastest). The plot shows ratios, not seconds, because the reports may come from
 different sessions or machines: a ratio is measured within one run, an absolute time only means something beside
 the times of its own run (``compare``'s own ``time_to_target_vs_bandwidth.png`` plots seconds, for links run
-together). A link may come from one report only, and the reports must measure the same target; a method missing at
-a link is shown as not run, a missed mean as missed (an ``x`` on the plot's bottom edge).
+together). The reports must measure the same target. A link may come from several reports (DDP's runs at 100 Mbit/s
+take most of a session, so its rows are run in parts, each part with its own DDP row): a method may then be in only
+one of them, its cell is its ratio to **its own** report's DDP, marked ``[k]`` (the k-th report given for that link),
+and DDP's cell lists each report's mean. A method missing at a link is shown as not run, a missed mean as missed (an
+``x`` on the plot's bottom edge).
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ NOT_RUN = "not run"
 
 
 def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any]], list[str]]:
-    """``(target, {bits/s: {"link", "source", "rows"}}, methods in order)`` from the reports' ``summary.json``."""
+    """``(target, {bits/s: entry}, methods in order)`` from the reports' ``summary.json``.
+
+    An entry is ``{"link", "sources": [folder, ...], "rows": {method: row}, "part": {method: k}, "refs": [ddp row of
+    report k, ...]}``: every method's row with the index of the report it came from, whose DDP row is its reference.
+    """
     targets: set[tuple[str, float, str]] = set()
     links: dict[float, dict[str, Any]] = {}
     methods: list[str] = []
@@ -44,20 +51,37 @@ def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any
             if link is None:
                 raise ValueError(f"{folder}: group {group!r} ran without an emulated link (a column needs one)")
             bw = LinkModel.parse(link).bits_per_second
-            if bw in links:
-                raise ValueError(
-                    f"link {link!r} is in both {links[bw]['source']} and {folder}: each column must come from one run "
-                    "(the speedups are ratios to that run's ddp)"
-                )
-            rows = summary["tables"][group]
-            if not any(row["method"] == REFERENCE and row.get("mean_s") is not None for row in rows):
+            rows = {row["method"]: row for row in summary["tables"][group]}
+            ref = rows.get(REFERENCE)
+            if ref is None or ref.get("mean_s") is None:
                 raise ValueError(f"{folder}: link {link!r} has no {REFERENCE} row that reached the target")
-            links[bw] = {"link": link, "source": str(folder), "rows": {row["method"]: row for row in rows}}
-            methods += [row["method"] for row in rows if row["method"] not in methods]
+            entry = links.setdefault(bw, {"link": link, "sources": [], "rows": {}, "part": {}, "refs": []})
+            for method in rows:
+                if method != REFERENCE and method in entry["rows"]:
+                    raise ValueError(
+                        f"{method!r} at link {link!r} is in both {entry['sources'][entry['part'][method]]} and "
+                        f"{folder}: each cell must come from one run (its speedup is a ratio to that run's "
+                        f"{REFERENCE})"
+                    )
+            part = len(entry["sources"])
+            entry["sources"].append(str(folder))
+            entry["refs"].append(ref)
+            for method, row in rows.items():
+                if method != REFERENCE:
+                    entry["rows"][method] = row
+                    entry["part"][method] = part
+            entry["rows"].setdefault(REFERENCE, ref)
+            entry["part"].setdefault(REFERENCE, 0)
+            methods += [method for method in rows if method not in methods]
     if len(targets) != 1:
         raise ValueError(f"the reports measured different targets {sorted(targets)}; give reports of one target")
     metric, value, mode = targets.pop()
     return Target(metric, value, mode), links, methods
+
+
+def reference_of(entry: dict[str, Any], method: str) -> dict[str, Any]:
+    """The DDP row that ``method``'s ratio at this link was measured against: the one of its own report."""
+    return entry["refs"][entry["part"][method]]
 
 
 def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: list[str], path: Path) -> Path:
@@ -86,7 +110,7 @@ def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: l
             if row.get("speedup") is None:
                 missed.append(bw)
                 continue
-            ref = links[bw]["rows"][REFERENCE]["mean_s"]
+            ref = reference_of(links[bw], method)["mean_s"]
             xs.append(bw)
             ys.append(row["speedup"])
             lo.append(row["speedup"] - (ref / row["max_s"] if row.get("max_s") else bottom))
@@ -127,17 +151,43 @@ def _cell(row: dict[str, Any] | None) -> str:
     return f"{row['speedup']:.2f}x ({reached})"
 
 
+def _link_cell(entry: dict[str, Any], method: str) -> str:
+    """A method's cell at one link; with several reports there, marked with the report (``[k]``) it came from, and
+    DDP's cell listing every report's DDP."""
+    several = len(entry["sources"]) > 1
+    if method == REFERENCE and several:
+        return "; ".join(f"{_cell(ref)} [{k + 1}]" for k, ref in enumerate(entry["refs"]))
+    row = entry["rows"].get(method)
+    if row is None or not several:
+        return _cell(row)
+    return f"{_cell(row)} [{entry['part'][method] + 1}]"
+
+
+def _sources(entry: dict[str, Any]) -> str:
+    if len(entry["sources"]) == 1:
+        return f"{entry['link']}: {entry['sources'][0]}"
+    return f"{entry['link']}: " + ", ".join(f"[{k + 1}] {src}" for k, src in enumerate(entry["sources"]))
+
+
 def grid_markdown(target: Target, links: dict[float, dict[str, Any]], methods: list[str]) -> str:
     order = sorted(links)
     head = "| method | " + " | ".join(f"{links[bw]['link']}" for bw in order) + " |"
     lines = [head, "|---|" + "---:|" * len(order)]
     for method in methods:
-        lines.append(f"| {method} | " + " | ".join(_cell(links[bw]["rows"].get(method)) for bw in order) + " |")
+        lines.append(f"| {method} | " + " | ".join(_link_cell(links[bw], method) for bw in order) + " |")
+    several = any(len(links[bw]["sources"]) > 1 for bw in order)
     return "\n".join(lines) + (
         f"\n\nTarget: {target.describe()}. {REFERENCE}'s cell: its mean time to target (runs that reached it / runs); "
         f"every other cell: the speedup against {REFERENCE}'s mean in the same report (the same run), with the runs "
-        "that reached the target. Sources: "
-        + "; ".join(f"{links[bw]['link']}: {links[bw]['source']}" for bw in order)
+        "that reached the target."
+        + (
+            f" A link run in several reports: [k] names the report a cell came from, {REFERENCE}'s cell lists each "
+            f"report's {REFERENCE}."
+            if several
+            else ""
+        )
+        + " Sources: "
+        + "; ".join(_sources(links[bw]) for bw in order)
         + "."
     )
 
@@ -153,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     text = grid_markdown(target, links, methods)
     (args.out / "grid.md").write_text(text + "\n")
     command = "python benchmarks/bandwidth_grid.py " + " ".join(map(str, args.reports)) + f" --out {args.out}"
-    sources = {entry["link"]: entry["source"] for entry in links.values()}
+    # a link's report folder, or the list of them when it was run in parts
+    sources = {e["link"]: e["sources"][0] if len(e["sources"]) == 1 else e["sources"] for e in links.values()}
     (args.out / "summary.json").write_text(json.dumps({"command": command, "sources": sources}, indent=2))
     print(text)
     print(f"\nwritten: {plot}, {args.out / 'grid.md'}, {args.out / 'summary.json'}")

@@ -378,7 +378,7 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
 def test_bandwidth_grid_reads_committed_summaries_one_report_per_link(tmp_path):
     """Committed reports (summary.json only, their run folders gone) become one grid and one bandwidth plot; each
     column's ratios are the ones its own report measured, a method absent at a link is 'not run', a missed mean
-    stays missed, and a link given twice or a second target is refused."""
+    stays missed, and a method given twice at one link or a second target is refused."""
     import json
 
     grid = _script("bandwidth_grid")
@@ -416,9 +416,46 @@ def test_bandwidth_grid_reads_committed_summaries_one_report_per_link(tmp_path):
     assert "| asp | not run | missed (2/3) |" in text
     assert "| osp | not run | failed |" in text
     assert (tmp_path / "out" / "speedup_vs_bandwidth.png").stat().st_size > 0
-    again = report(tmp_path / "again", "1gbit,1ms", [row("ddp", 50.0, 1.0)])
-    with pytest.raises(ValueError, match="one run"):
+    again = report(tmp_path / "again", "1gbit,1ms", [row("ddp", 50.0, 1.0), row("localsgd", 20.0, 2.5)])
+    with pytest.raises(ValueError, match="'localsgd' at link '1gbit,1ms' is in both .*one run"):
         grid.main([str(fast), str(again), "--out", str(tmp_path / "x")])
     other = report(tmp_path / "other", "10gbit,1ms", [row("ddp", 40.0, 1.0)], target=9.0)
     with pytest.raises(ValueError, match="different targets"):
         grid.main([str(fast), str(other), "--out", str(tmp_path / "y")])
+
+
+def test_bandwidth_grid_link_in_parts_each_cell_against_its_own_reports_ddp(tmp_path):
+    """A slow link run in two reports (each with its own DDP): every cell is the ratio its own report measured,
+    marked with the report it came from; DDP's cell lists both DDPs; the plot's error bars use the row's own DDP."""
+    import json
+
+    grid = _script("bandwidth_grid")
+
+    def report(name, link, rows):
+        folder = tmp_path / name
+        folder.mkdir()
+        summary = {"target": {"metric": "val/acc", "value": 0.95, "mode": "max"}, "groups": [[link, link]],
+                   "tables": {link: rows}}  # fmt: skip
+        (folder / "summary.json").write_text(json.dumps(summary))
+        return str(folder)
+
+    def row(method, mean, speedup):
+        return {"method": method, "runs": 3, "reached": 3, "mean_s": mean, "min_s": mean, "max_s": mean,
+                "dropped_extremes": False, "speedup": speedup}  # fmt: skip
+
+    first = report("a", "100mbit,1ms", [row("ddp", 1000.0, 1.0), row("localsgd", 200.0, 5.0)])
+    second = report("b", "100mbit,1ms", [row("ddp", 900.0, 1.0), row("fedavg", 100.0, 9.0)])
+    fast = report("c", "1gbit,1ms", [row("ddp", 100.0, 1.0), row("localsgd", 50.0, 2.0), row("fedavg", 40.0, 2.5)])
+    target, links, methods = grid.read_reports([Path(first), Path(fast), Path(second)])
+    slow = links[1e8]
+    assert slow["sources"] == [first, second] and slow["part"] == {"ddp": 0, "localsgd": 0, "fedavg": 1}
+    assert [ref["mean_s"] for ref in slow["refs"]] == [1000.0, 900.0]
+    assert grid.reference_of(slow, "fedavg")["mean_s"] == 900.0  # the plot's error bars: fedavg against its own DDP
+    assert grid.main([first, fast, second, "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "grid.md").read_text()
+    assert "| ddp | 1000.0 s (3/3) [1]; 900.0 s (3/3) [2] | 100.0 s (3/3) |" in text
+    assert "| localsgd | 5.00x (3/3) [1] | 2.00x (3/3) |" in text
+    assert "| fedavg | 9.00x (3/3) [2] | 2.50x (3/3) |" in text
+    assert f"100mbit,1ms: [1] {first}, [2] {second}" in text and f"1gbit,1ms: {fast}." in text
+    sources = json.loads((tmp_path / "out" / "summary.json").read_text())["sources"]
+    assert sources == {"100mbit,1ms": [first, second], "1gbit,1ms": fast}
