@@ -34,8 +34,11 @@ from lightning_sync.comm.link import LinkModel
 NOT_RUN = "not run"
 
 
-def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any]], list[str]]:
-    """``(target, {bits/s: entry}, methods in order)`` from the reports' ``summary.json``.
+def read_reports(
+    folders: list[Path], keep: list[str] | None = None
+) -> tuple[Target, dict[float, dict[str, Any]], list[str]]:
+    """``(target, {bits/s: entry}, methods in order)`` from the reports' ``summary.json``; with ``keep``, only those
+    methods' rows (and DDP's), in that order (a name in no report is an error).
 
     An entry is ``{"link", "sources": [folder, ...], "rows": {method: row}, "part": {method: k}, "refs": [ddp row of
     report k, ...]}``: every method's row with the index of the report it came from, whose DDP row is its reference.
@@ -51,7 +54,11 @@ def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any
             if link is None:
                 raise ValueError(f"{folder}: group {group!r} ran without an emulated link (a column needs one)")
             bw = LinkModel.parse(link).bits_per_second
-            rows = {row["method"]: row for row in summary["tables"][group]}
+            rows = {
+                row["method"]: row
+                for row in summary["tables"][group]
+                if keep is None or row["method"] == REFERENCE or row["method"] in keep
+            }
             ref = rows.get(REFERENCE)
             if ref is None or ref.get("mean_s") is None:
                 raise ValueError(f"{folder}: link {link!r} has no {REFERENCE} row that reached the target")
@@ -75,6 +82,11 @@ def read_reports(folders: list[Path]) -> tuple[Target, dict[float, dict[str, Any
             methods += [method for method in rows if method not in methods]
     if len(targets) != 1:
         raise ValueError(f"the reports measured different targets {sorted(targets)}; give reports of one target")
+    if keep is not None:
+        missing = [m for m in keep if m not in methods and m != REFERENCE]
+        if missing:
+            raise ValueError(f"--methods: {', '.join(missing)} in none of the reports (names as in their tables)")
+        methods = [REFERENCE] + [m for m in keep if m != REFERENCE]
     metric, value, mode = targets.pop()
     return Target(metric, value, mode), links, methods
 
@@ -196,13 +208,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", type=Path, help="compare --out folders (their summary.json)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated rows to show, in this order (ddp always; default: every row of the reports), e.g. to "
+        "leave out a report's tuned row from a grid of default rows",
+    )
     args = parser.parse_args(argv)
-    target, links, methods = read_reports(args.reports)
+    keep = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    target, links, methods = read_reports(args.reports, keep)
     args.out.mkdir(parents=True, exist_ok=True)
     plot = plot_speedups(target, links, methods, args.out / "speedup_vs_bandwidth.png")
     text = grid_markdown(target, links, methods)
     (args.out / "grid.md").write_text(text + "\n")
     command = "python benchmarks/bandwidth_grid.py " + " ".join(map(str, args.reports)) + f" --out {args.out}"
+    if args.methods:
+        command += f" --methods {args.methods}"
     # a link's report folder, or the list of them when it was run in parts
     sources = {e["link"]: e["sources"][0] if len(e["sources"]) == 1 else e["sources"] for e in links.values()}
     (args.out / "summary.json").write_text(json.dumps({"command": command, "sources": sources}, indent=2))

@@ -459,3 +459,14 @@ def test_bandwidth_grid_link_in_parts_each_cell_against_its_own_reports_ddp(tmp_
     assert f"100mbit,1ms: [1] {first}, [2] {second}" in text and f"1gbit,1ms: {fast}." in text
     sources = json.loads((tmp_path / "out" / "summary.json").read_text())["sources"]
     assert sources == {"100mbit,1ms": [first, second], "1gbit,1ms": fast}
+    # --methods: only those rows (ddp always), in that order; a row left out is not checked for duplicates
+    assert grid.main([first, second, "--methods", "fedavg", "--out", str(tmp_path / "only")]) == 0
+    only = (tmp_path / "only" / "grid.md").read_text().splitlines()
+    assert only[2].startswith("| ddp |") and only[3] == "| fedavg | 9.00x (3/3) [2] |" and len(only) == 4 + 2
+    dup = report("d", "100mbit,1ms", [row("ddp", 950.0, 1.0), row("localsgd", 190.0, 5.0), row("bsp", 900.0, 1.1)])
+    with pytest.raises(ValueError, match="one run"):
+        grid.read_reports([Path(first), Path(dup)], ["localsgd"])
+    _, kept, order = grid.read_reports([Path(first), Path(dup)], ["bsp"])  # dup's localsgd left out: no clash
+    assert order == ["ddp", "bsp"] and set(kept[1e8]["rows"]) == {"ddp", "bsp"} and kept[1e8]["part"]["bsp"] == 1
+    with pytest.raises(ValueError, match="--methods: diloco in none"):
+        grid.read_reports([Path(first), Path(second)], ["diloco"])
