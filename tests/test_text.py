@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import sys
+
 import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_sync.data.text import CharVocab, CharWindows, PythonTextDataModule, python_help_text
+from lightning_sync.data import text as text_module
+from lightning_sync.data.text import (
+    PYTHON_HELP_TEXT_SHA256,
+    CharVocab,
+    CharWindows,
+    PythonTextDataModule,
+    python_help_text,
+)
 from lightning_sync.launch import quiet_trainer_kwargs
 from lightning_sync.models import CharTransformerLM
 
@@ -25,6 +35,29 @@ def test_tokenization_and_split_are_deterministic():
         assert torch.equal(dm1.splits[split], dm2.splits[split])
     joined = torch.cat([dm1.splits["train"], dm1.splits["val"], dm1.splits["test"]])
     assert torch.equal(joined, a.encode(text[:20_000]))  # contiguous, disjoint, in order
+
+
+def test_the_help_text_is_the_shipped_snapshot_on_every_python():
+    text = python_help_text()
+    assert hashlib.sha256(text.encode("utf-8")).hexdigest() == PYTHON_HELP_TEXT_SHA256
+    assert len(text) == 465_048 and text.startswith('The "assert" statement\n')
+
+
+@pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7), reason="the snapshot is CPython 3.11.7's pydoc_data text")
+def test_the_snapshot_is_cpython_3_11_7s_pydoc_topics():
+    from pydoc_data.topics import topics
+
+    assert python_help_text() == "\n".join(topics[key] for key in sorted(topics))
+
+
+def test_a_snapshot_that_is_not_the_shipped_one_is_refused(monkeypatch):
+    python_help_text.cache_clear()
+    monkeypatch.setattr(text_module, "PYTHON_HELP_TEXT_SHA256", "0" * 64)
+    try:
+        with pytest.raises(RuntimeError, match="is not the shipped snapshot.*reinstall lightning-sync"):
+            python_help_text()
+    finally:
+        python_help_text.cache_clear()
 
 
 def test_windows_shift_targets_by_one():

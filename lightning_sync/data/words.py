@@ -48,7 +48,7 @@ class WordVocab:
 
 class PythonWordsDataModule(TokenWindowsDataModule):
     """Word-level language modelling on :func:`~lightning_sync.data.text.python_help_text` (about 114k tokens, 4133
-    distinct ones in CPython 3.11).
+    distinct ones).
 
     The token stream is split into contiguous train / validation / test parts (the last ``val_fraction`` and
     ``test_fraction`` are validation and test) and cut into non-overlapping windows of ``seq_len`` tokens (input and
