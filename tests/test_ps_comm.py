@@ -24,6 +24,45 @@ def _run_all(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     for mode in ("asp", "ssp", "aladdin"):
         _run(rank, mode, out_dir)
+    _run_link(rank, out_dir)
+
+
+LINK_PUSHES = 8
+LINK_BANDWIDTH = 800e3  # bit/s: a shard message of ~1.4 KB takes ~14 ms
+
+
+def _run_link(rank: int, out_dir: str) -> None:
+    """With link emulation, every rank receives pushes (server thread) and replies (mailbox thread) at the same
+    time; both go through the rank's one incoming link, so receiving them all takes at least their bits over the
+    bandwidth — not half of it, as two independent sleeping threads would give."""
+    import torch
+
+    from lightning_sync.comm import CommStats, Communicator, LinkModel
+    from lightning_sync.comm.ps import HEADER_BYTES, ParameterServer
+    from lightning_sync.core.ps import ShardPlan, ShardServer
+
+    stats = CommStats()
+    comm = Communicator(stats)
+    plan = ShardPlan(TOTAL, WORLD, 100)
+    server = ShardServer(plan.gather(torch.zeros(TOTAL), rank), WORLD, mode="aladdin", period=1)
+    link = LinkModel(bandwidth=LINK_BANDWIDTH, latency=0.0)
+    ps = ParameterServer(plan, server, stats, link=link, timeout=timedelta(seconds=60))
+    delta = torch.ones(TOTAL)
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(LINK_PUSHES):  # ALADDIN with period 1: every push is answered with the server's parameters
+        ps.push(delta, 0, want_reply=False, wait=False)
+    ps.flush()  # this worker's pushes applied by every server, and every reply to them received
+    comm.barrier()  # so every message to every rank has been received
+    elapsed = time.perf_counter() - start
+    shard_msg = {s: HEADER_BYTES + 4 * plan.numel(s) for s in ps.servers}
+    received = LINK_PUSHES * (len(ps.peers) * shard_msg[rank] + sum(shard_msg[s] for s in ps.remote_servers))
+    res = {"elapsed": elapsed, "received_bits": 8.0 * received, "replies": dict(ps.params_received)}
+    ps.finish_epoch(0)
+    ps.flush()
+    comm.barrier()
+    ps.close(comm)
+    Path(out_dir, f"link_rank{rank}.json").write_text(json.dumps(res))
 
 
 def _run(rank: int, mode: str, out_dir: str) -> None:
@@ -153,3 +192,12 @@ def test_aladdin_sends_global_parameters_every_period_pushes_and_mixes_with_alph
 def test_clean_shutdown_leaves_no_thread(run):
     _, res = run
     assert all(r["threads_after_close"] == [] for r in res)
+
+
+def test_a_ranks_pushes_and_replies_share_its_one_emulated_incoming_link(out_dir):
+    # the push and pull payload messages a rank received took at least their bits over the link's bandwidth: the
+    # server's and the mailbox's receiving threads queue on one link (the old per-thread sleeps gave about half)
+    for rank in range(WORLD):
+        r = json.loads((out_dir / f"link_rank{rank}.json").read_text())
+        assert set(r["replies"].values()) == {LINK_PUSHES}
+        assert r["elapsed"] >= 0.97 * r["received_bits"] / LINK_BANDWIDTH, r

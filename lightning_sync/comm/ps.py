@@ -41,6 +41,13 @@ at most half a step, ``max|x| / 254`` of its block) — while the servers keep t
 its own server is not sent and stays exact, and so does the all-gather of the global model at meeting points
 (validation, checkpoints, fit end).
 
+**Link emulation** (``link``): a message costs ``latency + bytes / bandwidth`` on its receiver's side, before it
+is applied or delivered, and every message a rank receives — workers' pushes into its server, its servers'
+replies into its mailbox — goes through that rank's one incoming link, a
+:class:`~lightning_sync.comm.link.LinkClock` shared by the two receiving threads: concurrent messages share the
+bandwidth, as on one network interface. (Before, each thread slept for its own messages on its own, so a rank
+received pushes and replies at twice the bandwidth — which DDP's emulation, one link per rank, never gets.)
+
 Accounting goes to the rank's :class:`~lightning_sync.comm.accounting.CommStats`: ``push`` (worker → server
 payloads), ``pull`` (server → worker payloads, counted on the server's rank), ``ps_control`` (header-only
 messages) and ``work`` (work-assignment claims). Bytes are the message sizes actually sent; seconds blocked are
@@ -64,7 +71,7 @@ from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import Communicator
 from lightning_sync.comm.compression import Compressor, decode, encode
 from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure, wait_at_exit
-from lightning_sync.comm.link import LinkModel
+from lightning_sync.comm.link import LinkClock, LinkModel
 from lightning_sync.comm.ps_protocol import (
     ACK,
     BYE_CLOSE,
@@ -105,7 +112,8 @@ class ParameterServer:
         plan: the sharding, identical on every rank.
         server: this rank's server (its ``params`` are this rank's packed shards).
         stats: the rank's accounting.
-        link: optional link emulation: the receiving thread delays each message by ``latency + bytes/bandwidth``.
+        link: optional link emulation: each message this rank receives is delayed by ``latency + bytes/bandwidth``
+            on the rank's one incoming link (shared by the server's and the mailbox's receiving threads).
         timeout: how long the training thread waits for a reply or acknowledgement before raising.
         dtype: element type of the parameters (and of the payloads without compression).
         compressor: optional compression of the pushes and pulls (see the module docstring).
@@ -130,6 +138,8 @@ class ParameterServer:
         self.server = server
         self.stats = stats
         self.link = link
+        #: this rank's emulated incoming link, shared by the receiving threads (None without emulation)
+        self.incoming = LinkClock(link) if link is not None else None
         self.timeout = timeout
         self.dtype = dtype
         self.compressor = compressor
@@ -216,8 +226,9 @@ class ParameterServer:
             raise PeerGone(f"rank {peer} stopped: its run failed")
 
     def _delay(self, nbytes: int) -> None:
-        if self.link is not None:
-            time.sleep(self.link.delay(nbytes))
+        """Hold a received message until its transfer on this rank's incoming link completes."""
+        if self.incoming is not None:
+            self.incoming.sleep_until_complete(self.incoming.start(nbytes, time.perf_counter()))
 
     def _serve(self) -> None:
         numel = self.plan.numel(self.rank)
