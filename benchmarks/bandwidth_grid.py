@@ -17,7 +17,8 @@ together). The reports must measure the same target. A link may come from severa
 take most of a session, so its rows are run in parts, each part with its own DDP row): a method may then be in only
 one of them, its cell is its ratio to **its own** report's DDP, marked ``[k]`` (the k-th report given for that link),
 and DDP's cell lists each report's mean. A method missing at a link is shown as not run, a missed mean as missed (an
-``x`` on the plot's bottom edge).
+``x`` on the plot's bottom edge). ``--drop REPORT=METHOD,...`` leaves those rows of one report out (e.g. rows a later
+run re-measured, which then gives that cell); the grid lists what was left out of which report.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ NOT_RUN = "not run"
 
 
 def read_reports(
-    folders: list[Path], keep: list[str] | None = None
+    folders: list[Path], keep: list[str] | None = None, drop: dict[Path, list[str]] | None = None
 ) -> tuple[Target, dict[float, dict[str, Any]], list[str]]:
     """``(target, {bits/s: entry}, methods in order)`` from the reports' ``summary.json``; with ``keep``, only those
-    methods' rows (and DDP's), in that order (a name in no report is an error).
+    methods' rows (and DDP's), in that order (a name in no report is an error); ``drop`` maps a report folder to
+    methods whose rows in that report are left out (not DDP, which every ratio of the report needs; a folder not
+    given or a method not in that report is an error).
 
     An entry is ``{"link", "sources": [folder, ...], "rows": {method: row}, "part": {method: k}, "refs": [ddp row of
     report k, ...]}``: every method's row with the index of the report it came from, whose DDP row is its reference.
@@ -46,8 +49,19 @@ def read_reports(
     targets: set[tuple[str, float, str]] = set()
     links: dict[float, dict[str, Any]] = {}
     methods: list[str] = []
+    drop = drop or {}
+    unknown = [str(folder) for folder in drop if folder not in folders]
+    if unknown:
+        raise ValueError(f"--drop: {', '.join(unknown)} is not one of the reports given")
     for folder in folders:
         summary = json.loads((folder / "summary.json").read_text())
+        dropped = drop.get(folder, [])
+        if REFERENCE in dropped:
+            raise ValueError(f"--drop: {REFERENCE} cannot be left out of {folder} (its other rows are ratios to it)")
+        present = {row["method"] for table in summary["tables"].values() for row in table}
+        absent = [m for m in dropped if m not in present]
+        if absent:
+            raise ValueError(f"--drop: {', '.join(absent)} not in {folder} (names as in its table)")
         t = summary["target"]
         targets.add((t["metric"], float(t["value"]), t["mode"]))
         for group, link in summary["groups"]:
@@ -57,7 +71,8 @@ def read_reports(
             rows = {
                 row["method"]: row
                 for row in summary["tables"][group]
-                if keep is None or row["method"] == REFERENCE or row["method"] in keep
+                if (keep is None or row["method"] == REFERENCE or row["method"] in keep)
+                and row["method"] not in dropped
             }
             ref = rows.get(REFERENCE)
             if ref is None or ref.get("mean_s") is None:
@@ -181,7 +196,9 @@ def _sources(entry: dict[str, Any]) -> str:
     return f"{entry['link']}: " + ", ".join(f"[{k + 1}] {src}" for k, src in enumerate(entry["sources"]))
 
 
-def grid_markdown(target: Target, links: dict[float, dict[str, Any]], methods: list[str]) -> str:
+def grid_markdown(
+    target: Target, links: dict[float, dict[str, Any]], methods: list[str], drop: dict[Path, list[str]] | None = None
+) -> str:
     order = sorted(links)
     head = "| method | " + " | ".join(f"{links[bw]['link']}" for bw in order) + " |"
     lines = [head, "|---|" + "---:|" * len(order)]
@@ -201,7 +218,26 @@ def grid_markdown(target: Target, links: dict[float, dict[str, Any]], methods: l
         + " Sources: "
         + "; ".join(_sources(links[bw]) for bw in order)
         + "."
+        + (
+            " Rows left out of a report (--drop): "
+            + "; ".join(f"{', '.join(names)} of {folder}" for folder, names in drop.items())
+            + "."
+            if drop
+            else ""
+        )
     )
+
+
+def parse_drop(items: list[str]) -> dict[Path, list[str]]:
+    """``--drop REPORT=METHOD,...`` items as ``{report folder: [method, ...]}``."""
+    drop: dict[Path, list[str]] = {}
+    for item in items:
+        folder, sep, names = item.rpartition("=")
+        methods = [m.strip() for m in names.split(",") if m.strip()]
+        if not sep or not folder or not methods:
+            raise ValueError(f"--drop must look like REPORT=METHOD[,METHOD...]; got {item!r}")
+        drop.setdefault(Path(folder), []).extend(methods)
+    return drop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,16 +250,25 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated rows to show, in this order (ddp always; default: every row of the reports), e.g. to "
         "leave out a report's tuned row from a grid of default rows",
     )
+    parser.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="REPORT=METHOD,...",
+        help="leave these rows of one report out (repeatable), e.g. rows a later report re-measured at that link",
+    )
     args = parser.parse_args(argv)
     keep = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    target, links, methods = read_reports(args.reports, keep)
+    drop = parse_drop(args.drop)
+    target, links, methods = read_reports(args.reports, keep, drop)
     args.out.mkdir(parents=True, exist_ok=True)
     plot = plot_speedups(target, links, methods, args.out / "speedup_vs_bandwidth.png")
-    text = grid_markdown(target, links, methods)
+    text = grid_markdown(target, links, methods, drop)
     (args.out / "grid.md").write_text(text + "\n")
     command = "python benchmarks/bandwidth_grid.py " + " ".join(map(str, args.reports)) + f" --out {args.out}"
     if args.methods:
         command += f" --methods {args.methods}"
+    command += "".join(f" --drop {item}" for item in args.drop)
     # a link's report folder, or the list of them when it was run in parts
     sources = {e["link"]: e["sources"][0] if len(e["sources"]) == 1 else e["sources"] for e in links.values()}
     (args.out / "summary.json").write_text(json.dumps({"command": command, "sources": sources}, indent=2))

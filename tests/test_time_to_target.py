@@ -470,3 +470,44 @@ def test_bandwidth_grid_link_in_parts_each_cell_against_its_own_reports_ddp(tmp_
     assert order == ["ddp", "bsp"] and set(kept[1e8]["rows"]) == {"ddp", "bsp"} and kept[1e8]["part"]["bsp"] == 1
     with pytest.raises(ValueError, match="--methods: diloco in none"):
         grid.read_reports([Path(first), Path(second)], ["diloco"])
+
+
+def test_bandwidth_grid_drop_leaves_a_reports_rows_out(tmp_path):
+    """--drop REPORT=METHOD: that report's row is left out, so a later report that re-measured the method at the same
+    link gives the cell (against its own DDP) instead of the duplicate being refused; the grid says what was left out;
+    DDP, an unknown report or a method not in the report cannot be dropped."""
+    import json
+
+    grid = _script("bandwidth_grid")
+
+    def report(name, rows):
+        folder = tmp_path / name
+        folder.mkdir()
+        summary = {"target": {"metric": "val/ppl", "value": 17.0, "mode": "min"}, "groups": [["1gbit,1ms"] * 2],
+                   "tables": {"1gbit,1ms": rows}}  # fmt: skip
+        (folder / "summary.json").write_text(json.dumps(summary))
+        return str(folder)
+
+    def row(method, mean, speedup):
+        return {"method": method, "runs": 5, "reached": 5, "mean_s": mean, "min_s": mean, "max_s": mean,
+                "dropped_extremes": True, "speedup": speedup}  # fmt: skip
+
+    old = report("old", [row("ddp", 65.0, 1.0), row("localsgd", 32.5, 2.0), row("asp", 72.0, 0.9)])
+    new = report("new", [row("ddp", 68.0, 1.0), row("asp", 85.0, 0.8)])
+    with pytest.raises(ValueError, match="'asp' at link '1gbit,1ms' is in both"):
+        grid.main([old, new, "--out", str(tmp_path / "x")])
+    assert grid.main([old, new, "--drop", f"{old}=asp", "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "grid.md").read_text()
+    assert "| ddp | 65.0 s (5/5) [1]; 68.0 s (5/5) [2] |" in text
+    assert "| localsgd | 2.00x (5/5) [1] |" in text and "| asp | 0.80x (5/5) [2] |" in text
+    assert f"Rows left out of a report (--drop): asp of {old}." in text
+    command = json.loads((tmp_path / "out" / "summary.json").read_text())["command"]
+    assert command.endswith(f"--drop {old}=asp")
+    with pytest.raises(ValueError, match="ddp cannot be left out"):
+        grid.main([old, new, "--drop", f"{old}=ddp", "--out", str(tmp_path / "y")])
+    with pytest.raises(ValueError, match="ssp not in"):
+        grid.main([old, new, "--drop", f"{old}=ssp", "--out", str(tmp_path / "y")])
+    with pytest.raises(ValueError, match="is not one of the reports"):
+        grid.main([old, "--drop", f"{new}=asp", "--out", str(tmp_path / "y")])
+    with pytest.raises(ValueError, match="must look like REPORT=METHOD"):
+        grid.main([old, "--drop", "asp", "--out", str(tmp_path / "y")])
