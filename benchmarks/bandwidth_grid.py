@@ -18,7 +18,8 @@ take most of a session, so its rows are run in parts, each part with its own DDP
 one of them, its cell is its ratio to **its own** report's DDP, marked ``[k]`` (the k-th report given for that link),
 and DDP's cell lists each report's mean. A method missing at a link is shown as not run, a missed mean as missed (an
 ``x`` on the plot's bottom edge). ``--drop REPORT=METHOD,...`` leaves those rows of one report out (e.g. rows a later
-run re-measured, which then gives that cell); the grid lists what was left out of which report.
+run re-measured, which then gives that cell; a dropped row no other report gives is shown as left out); the grid
+lists what was left out of which report.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning_sync.benchmark.runs import REFERENCE, Target
 from lightning_sync.comm.link import LinkModel
 
 NOT_RUN = "not run"
+LEFT_OUT = "left out"  # run, but its row was dropped (--drop) and no other report gives the cell
 
 
 def read_reports(
@@ -44,7 +46,8 @@ def read_reports(
     given or a method not in that report is an error).
 
     An entry is ``{"link", "sources": [folder, ...], "rows": {method: row}, "part": {method: k}, "refs": [ddp row of
-    report k, ...]}``: every method's row with the index of the report it came from, whose DDP row is its reference.
+    report k, ...], "dropped": {method, ...}}``: every method's row with the index of the report it came from, whose
+    DDP row is its reference, and the methods whose rows at this link were dropped.
     """
     targets: set[tuple[str, float, str]] = set()
     links: dict[float, dict[str, Any]] = {}
@@ -77,7 +80,10 @@ def read_reports(
             ref = rows.get(REFERENCE)
             if ref is None or ref.get("mean_s") is None:
                 raise ValueError(f"{folder}: link {link!r} has no {REFERENCE} row that reached the target")
-            entry = links.setdefault(bw, {"link": link, "sources": [], "rows": {}, "part": {}, "refs": []})
+            entry = links.setdefault(
+                bw, {"link": link, "sources": [], "rows": {}, "part": {}, "refs": [], "dropped": set()}
+            )
+            entry["dropped"].update(row["method"] for row in summary["tables"][group] if row["method"] in dropped)
             for method in rows:
                 if method != REFERENCE and method in entry["rows"]:
                     raise ValueError(
@@ -94,7 +100,9 @@ def read_reports(
                     entry["part"][method] = part
             entry["rows"].setdefault(REFERENCE, ref)
             entry["part"].setdefault(REFERENCE, 0)
-            methods += [method for method in rows if method not in methods]
+            # a dropped row keeps its place in the order (its cell reads "left out" where no other report gives it)
+            shown = [row["method"] for row in summary["tables"][group]]
+            methods += [m for m in shown if m not in methods and (m in rows or m in dropped)]
     if len(targets) != 1:
         raise ValueError(f"the reports measured different targets {sorted(targets)}; give reports of one target")
     if keep is not None:
@@ -185,6 +193,8 @@ def _link_cell(entry: dict[str, Any], method: str) -> str:
     if method == REFERENCE and several:
         return "; ".join(f"{_cell(ref)} [{k + 1}]" for k, ref in enumerate(entry["refs"]))
     row = entry["rows"].get(method)
+    if row is None and method in entry.get("dropped", ()):
+        return LEFT_OUT
     if row is None or not several:
         return _cell(row)
     return f"{_cell(row)} [{entry['part'][method] + 1}]"

@@ -474,7 +474,8 @@ def test_bandwidth_grid_link_in_parts_each_cell_against_its_own_reports_ddp(tmp_
 
 def test_bandwidth_grid_drop_leaves_a_reports_rows_out(tmp_path):
     """--drop REPORT=METHOD: that report's row is left out, so a later report that re-measured the method at the same
-    link gives the cell (against its own DDP) instead of the duplicate being refused; the grid says what was left out;
+    link gives the cell (against its own DDP) instead of the duplicate being refused; the grid says what was left out
+    (a cell no other report gives reads 'left out');
     DDP, an unknown report or a method not in the report cannot be dropped."""
     import json
 
@@ -503,6 +504,9 @@ def test_bandwidth_grid_drop_leaves_a_reports_rows_out(tmp_path):
     assert f"Rows left out of a report (--drop): asp of {old}." in text
     command = json.loads((tmp_path / "out" / "summary.json").read_text())["command"]
     assert command.endswith(f"--drop {old}=asp")
+    # a dropped row that no other report gives: 'left out', not 'not run'
+    assert grid.main([old, "--drop", f"{old}=asp", "--out", str(tmp_path / "alone")]) == 0
+    assert "| asp | left out |" in (tmp_path / "alone" / "grid.md").read_text()
     with pytest.raises(ValueError, match="ddp cannot be left out"):
         grid.main([old, new, "--drop", f"{old}=ddp", "--out", str(tmp_path / "y")])
     with pytest.raises(ValueError, match="ssp not in"):
