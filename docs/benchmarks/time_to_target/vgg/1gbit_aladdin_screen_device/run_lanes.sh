@@ -3,7 +3,7 @@
 # scale and of a shorter period with alpha held, on vgg and words, one lane per candidate, 2 seeds each, on the device
 # machine's 16 CPU cores (no GPU used: the workloads' configs are accelerator=cpu; 24 ranks on 16 cores).
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-S=/tmp/s; mkdir -p $S  # the scratch folder (<scratch> in the files here)
+S=${SCRATCH:-$(mktemp -d)}; mkdir -p $S  # scratch folder (on the device, a fixed scratch folder: <scratch> in the files here)
 nproc --all; python3 --version
 python3 -c "import torch, lightning, sklearn; from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as J; print(torch.__version__, lightning.__version__, bool(J)); assert J" || exit 3
 git log --oneline -1 2>/dev/null; date -u
