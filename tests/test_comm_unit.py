@@ -181,3 +181,15 @@ def test_comm_stats_totals_exclude_bookkeeping():
     t = CommStats()
     t.load_state_dict(s.state_dict())
     assert t.summary() == summary
+
+
+def test_comm_stats_snapshot_counts_pending_launches_as_if_they_had_happened():
+    """A checkpoint part counts the barriers that end its save ahead: the snapshot equals the live totals after
+    those launches, and taking it changes nothing live."""
+    s = CommStats()
+    s.record_launch("checkpoint", 120, blocking=True)
+    snapshot = s.state_dict(pending=(("checkpoint", 0, True), ("verify", 16, False)))
+    assert s.ops["checkpoint"] == 1 and "verify" not in s.ops  # live totals untouched
+    s.record_launch("checkpoint", 0, blocking=True)
+    s.record_launch("verify", 16, blocking=False)
+    assert snapshot == s.state_dict()

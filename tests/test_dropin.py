@@ -51,9 +51,9 @@ INTERRUPT_AT = 3
 MARGIN = 0.03
 PARAMETER_SERVER = ("asp", "ssp", "aladdin", "sync_switch")
 REFUSED = {"osp": "gradient clipping", **{n: "val_check_interval" for n in PARAMETER_SERVER}}
-#: per-tag totals that must match between an uninterrupted run and a resumed one (not wall-clock times, not the
-#: checkpoint bookkeeping itself)
-NOT_TRAJECTORY = ("blocked_s", "bytes_checkpoint")
+#: what may differ between an uninterrupted run and a resumed one: wall-clock time only. Every byte count must match,
+#: the checkpoint's own messages and verify_sync's checks included (a checkpoint part counts its save's messages).
+NOT_TRAJECTORY = ("blocked_s",)
 
 
 def _digest(module: torch.nn.Module) -> str:

@@ -59,7 +59,8 @@ def _strategy(name: str):
     return {
         "bsp": lambda: S.BSPStrategy(**sync),
         "selsync": lambda: S.SelSyncStrategy(delta=0.05, **sync),
-        "localsgd": lambda: S.LocalSGDStrategy(period=3, **sync),
+        # offset 2: averages after steps 3, 6, ..., so the mid-epoch checkpoint (step 15) is saved in sync
+        "localsgd": lambda: S.LocalSGDStrategy(period=3, offset=2, **sync),
         "fedavg": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **sync),
         "adpsgd": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **sync),
         "osp": lambda: S.OSPStrategy(bandwidth="100gbit", **sync),  # U_max at its cap: no measured time in the schedule
@@ -165,8 +166,9 @@ def _suite(rank: int, out_dir: str) -> None:
         mc = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=at, save_top_k=-1, filename="{step}")
         fit(name, "full", [mc])
         start = AtStart()
-        # the same checkpointing as the uninterrupted run (saving is collective: Lightning's barriers are counted)
-        mc = ModelCheckpoint(dirpath=out / f"ckpt_{name}_resumed", every_n_train_steps=at, save_top_k=-1)
+        # the same checkpointing as the uninterrupted run (saving is collective: Lightning's barriers are counted),
+        # into a directory and files with names of the same length: each save broadcasts its file name (counted)
+        mc = ModelCheckpoint(dirpath=out / f"ckp2_{name}", every_n_train_steps=at, save_top_k=-1, filename="{step}")
         fit(name, "resumed", [start, mc], ckpt_path=str(ckdir / f"step={at}.ckpt"))
         torch.save({"state": start.state, "model": start.model}, out / f"{name}_start_rank{rank}.pt")
         res[f"{name}_ckpt_step"] = at
@@ -210,16 +212,14 @@ def _load(path: Path) -> Any:
 
 
 def _strip(value: Any) -> Any:
-    """``value`` without wall-clock measurements (keys in TIME_KEYS) and bookkeeping traffic (the per-tag entries
-    of the checkpoint's own messages, which the uninterrupted run sent after the state it saved was taken),
-    tensors as lists, for exact comparison."""
-    from lightning_sync.comm.accounting import BOOKKEEPING_TAGS
+    """``value`` without wall-clock measurements (keys in TIME_KEYS), tensors as lists, for exact comparison.
 
+    Bookkeeping traffic stays in: a checkpoint part counts every message of its own save (the name broadcast, the
+    main file's average or ``verify_sync``'s check, the closing barrier), so a resumed run's totals per tag, the
+    ``"checkpoint"`` and ``"verify"`` tags included, are the uninterrupted run's."""
     if isinstance(value, dict):
         return {
-            k: _strip(v[PARTLY_TIMED[k]] if k in PARTLY_TIMED else v)
-            for k, v in value.items()
-            if k not in TIME_KEYS and k not in BOOKKEEPING_TAGS
+            k: _strip(v[PARTLY_TIMED[k]] if k in PARTLY_TIMED else v) for k, v in value.items() if k not in TIME_KEYS
         }
     if isinstance(value, (list, tuple)):
         return [_strip(v) for v in value]
@@ -229,12 +229,9 @@ def _strip(value: Any) -> Any:
 
 
 def _training(metrics: dict[str, float]) -> dict[str, float]:
-    """Logged communication totals and counters, without times and without bookkeeping traffic (the checkpoint's
-    own gather, which the uninterrupted run paid after the state it saved was taken)."""
-    from lightning_sync.comm.accounting import BOOKKEEPING_TAGS
-
-    skip = {f"bytes_{t}" for t in BOOKKEEPING_TAGS}
-    return {k: v for k, v in metrics.items() if k not in skip and k not in TIME_KEYS}
+    """Logged communication totals and counters without times; bookkeeping bytes (``bytes_checkpoint``,
+    ``bytes_verify``, ``bytes_setup``) included, as in :func:`_strip`."""
+    return {k: v for k, v in metrics.items() if k not in TIME_KEYS}
 
 
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -267,6 +264,28 @@ def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninter
         start, part = _load(out / f"{name}_start_rank{rank}.pt"), _part(out, name, f"step={at}.ckpt", rank)
         assert _strip(start["state"]) == _strip(part["strategy_state"])
     assert full["metrics"]["bytes_sent"] > 0
+
+
+def test_checkpoint_parts_count_their_own_save_whether_the_replicas_are_in_sync_or_not(suite):
+    """Both kinds of save occur here by the schedule, not by the numerics (issue 47: which kind the drop-in suite's
+    SelSync run hit depended on the machine's floating point): local SGD (period 3, offset 2) saves at step 15 right
+    after a sync, so its main file needs no average and ``verify_sync`` checks the replicas instead (one checksum
+    gather, ``"verify"``); FedAvg saves between syncs, so its main file is the replicas' average, an all-reduce of
+    the model under ``"checkpoint"``. Either way the part already counts it, so the exact-resume test above compares
+    those tags too."""
+    out, res = suite
+    at = res[0]["localsgd_ckpt_step"]
+    assert at % 3 == 0 and at == res[0]["fedavg_ckpt_step"]
+    for rank in range(WORLD):
+        parts = {n: _part(out, n, f"step={at}.ckpt", rank)["strategy_state"]["comm"] for n in ("localsgd", "fedavg")}
+        model = _load(out / f"localsgd_full_rank{rank}.pt")["model"]
+        model_bytes = sum(v.numel() * v.element_size() for v in model.values())
+        in_sync, between = parts["localsgd"], parts["fedavg"]
+        assert in_sync["ops"]["params"] == at // 3  # the last sync was the step just saved
+        assert in_sync["bytes_sent"]["checkpoint"] < 1000 < model_bytes <= between["bytes_sent"]["checkpoint"]
+        # verify_sync: one gather after every sync, and the in-sync save's one
+        assert in_sync["ops"]["verify"] == in_sync["ops"]["params"] + 1
+        assert between["ops"]["verify"] == between["ops"]["params"]
 
 
 def test_diloco_checkpoint_holds_the_fragment_in_flight_and_the_outer_state(suite):

@@ -71,13 +71,25 @@ class CommStats:
             out[f"bytes_{tag}"] = float(value)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "bytes_sent": dict(self.bytes_sent),
-            "ops": dict(self.ops),
-            "blocking": dict(self.blocking),
-            "blocked_seconds": dict(self.blocked_seconds),
-        }
+    def state_dict(self, pending: tuple[tuple[str, int, bool], ...] = ()) -> dict[str, Any]:
+        """The totals so far, plus ``pending`` launches ``(tag, bytes, blocking)`` that are certain to be issued
+        right after this snapshot and belong in it. A checkpoint part is written before the barrier that orders
+        the main file after every part; the part counts that barrier ahead, so a run resumed from it continues
+        from exactly the totals the uninterrupted run had when the save ended (its blocked time is not known ahead
+        and is left out: a wall-clock measurement, not a count)."""
+        with self._lock:
+            state = {
+                "bytes_sent": dict(self.bytes_sent),
+                "ops": dict(self.ops),
+                "blocking": dict(self.blocking),
+                "blocked_seconds": dict(self.blocked_seconds),
+            }
+        for tag, nbytes, blocking in pending:
+            state["bytes_sent"][tag] = state["bytes_sent"].get(tag, 0) + nbytes
+            state["ops"][tag] = state["ops"].get(tag, 0) + 1
+            if blocking:
+                state["blocking"][tag] = state["blocking"].get(tag, 0) + 1
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bytes_sent = defaultdict(int, state["bytes_sent"])

@@ -20,6 +20,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 #: the key of the main checkpoint file under which the strategy records what the parts must match
 CKPT_KEY = "lightning_sync"
+#: the launches that end a save after its part is written, counted in the part ahead of time ``(tag, bytes,
+#: blocking)``: the barrier before rank 0 writes the main file, and Lightning's ``Trainer.save_checkpoint`` barrier
+SAVE_BARRIERS = (("checkpoint", 0, True), ("checkpoint", 0, True))
 
 
 def save_atomically(io: CheckpointIO, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -92,9 +95,16 @@ class PerRankCheckpointing:
             shared, ckpt_id = self.comm.broadcast_object((shared, ckpt_id), tag="checkpoint")
         self._part_names[str(filepath)] = shared
         part["checkpoint_id"] = ckpt_id
+        # What the main file holds may cost a collective (the replicas' average, or with verify_sync the check that
+        # they are in sync): issue it before the part is written, so the part's totals include every message of
+        # this save and a run resumed from it continues from the totals the uninterrupted run had after the save.
+        # The two barriers that end the save are counted ahead (0 bytes, one blocking op each): ours below, after
+        # which rank 0 writes the main file, and the one Lightning's Trainer.save_checkpoint issues after this method
+        # returns (Trainer.save_checkpoint is the only caller Lightning has; ModelCheckpoint saves through it).
+        checkpoint = self._main_file_checkpoint(checkpoint)
+        part["strategy_state"]["comm"] = self.comm_stats.state_dict(pending=SAVE_BARRIERS)
         save_atomically(self.checkpoint_io, part, self.rank_file(shared, self.global_rank))
         self.comm.barrier(tag="checkpoint")
-        checkpoint = self._main_file_checkpoint(checkpoint)
         checkpoint[CKPT_KEY] = {
             "strategy": type(self).__name__,
             "world_size": self.world_size,

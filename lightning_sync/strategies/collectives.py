@@ -42,7 +42,7 @@ class CountedCollectives:
         if self._comm is None:
             return super().barrier(name, *args, **kwargs)
         # Lightning's barriers around saving and restoring a checkpoint are checkpoint bookkeeping, not training
-        # traffic: the one after a save comes after the saved totals were taken, so a resumed run never has it
+        # traffic (the one after a save is counted ahead in the checkpoint part: checkpoint.SAVE_BARRIERS)
         self.comm.barrier(tag="checkpoint" if name in CHECKPOINT_BARRIERS else "lightning")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
