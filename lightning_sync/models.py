@@ -174,7 +174,9 @@ class _LanguageModel(pl.LightningModule):
         tokens = batch[1].numel()
         sums = getattr(self, "_ppl_sums", None) or {}
         total = sums.get(stage)
-        step = torch.stack([loss.detach().double() * tokens, torch.tensor(float(tokens), dtype=torch.float64)])
+        # on the loss's device: a CPU tensor stacked with a CUDA loss fails on a GPU (issue 51)
+        count = torch.tensor(float(tokens), dtype=torch.float64, device=loss.device)
+        step = torch.stack([loss.detach().double() * tokens, count])
         sums[stage] = step if total is None else total + step.to(total.device)
         self._ppl_sums = sums
 

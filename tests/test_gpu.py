@@ -114,6 +114,17 @@ def test_every_strategy_trains_on_one_gpu_over_nccl(name, single_process):
         assert where.launched_during_backward and all(n >= 1 for n in where.launched_during_backward)
 
 
+@pytest.mark.parametrize("workload", ["digits", "text", "vgg", "words"])
+def test_every_packaged_workload_trains_and_validates_on_a_gpu(workload, single_process):
+    """``compare --accelerator gpu`` runs these models: their evaluation must keep every tensor on the GPU (the
+    language models stacked a CPU token count with the CUDA loss at the first validation, issue 51)."""
+    from workloads import fit_and_validate
+
+    metrics = fit_and_validate(workload, "gpu")
+    name = "val/ppl" if workload in ("text", "words") else "val/acc"
+    assert name in metrics and torch.isfinite(torch.tensor(metrics[name]))
+
+
 @pytest.mark.parametrize("agg", ["parameters", "gradients"])
 def test_selsync_does_not_synchronise_with_the_gpu_before_the_update(single_process, agg):
     from probes import ProbedCNN, ReadProbe

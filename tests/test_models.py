@@ -50,3 +50,13 @@ def test_step_decay_multiplies_the_rate_at_each_milestone(cls):
 def test_bad_schedule_arguments(cls, kwargs, name):
     with pytest.raises(ValueError, match=rf"{name} must be .*got"):
         cls(**SMALL[cls], **kwargs)
+
+
+@pytest.mark.parametrize("workload", ["digits", "text", "vgg", "words"])
+def test_every_packaged_workload_trains_and_validates_on_the_cpu(workload, single_process):
+    """The CPU twin of tests/test_gpu.py's per-workload test (same code, ``accelerator="cpu"``)."""
+    from workloads import fit_and_validate
+
+    metrics = fit_and_validate(workload, "cpu")
+    name = "val/ppl" if workload in ("text", "words") else "val/acc"
+    assert name in metrics and torch.isfinite(torch.tensor(metrics[name]))
