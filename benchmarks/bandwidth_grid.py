@@ -120,23 +120,25 @@ def reference_of(entry: dict[str, Any], method: str) -> dict[str, Any]:
 
 
 def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: list[str], path: Path) -> Path:
-    """Speedup against ddp (of the same report) per bandwidth, log-log, one line per method."""
+    """Speedup against ddp (of the same report) per bandwidth, log-log, one line per method, each method in its look
+    from :func:`lightning_sync.benchmark.report.styles` (ddp black and solid), the legend outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    from lightning_sync.benchmark.report import _rate
+    from lightning_sync.benchmark.report import _legend, _rate, styles
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     order = sorted(links)
-    palette = plt.get_cmap("tab20").colors
+    looks = styles(methods)  # the looks of compare's own plots: ddp black and solid, every method distinct
+    handles, names = [], []
     values = [
         row["speedup"] for entry in links.values() for row in entry["rows"].values() if row.get("speedup") is not None
     ]
     bottom = min(values + [1.0]) / 1.5
-    for i, method in enumerate(methods):
+    for method in methods:
         xs, ys, lo, hi, missed = [], [], [], [], []
         for bw in order:
             row = links[bw]["rows"].get(method)
@@ -150,12 +152,27 @@ def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: l
             ys.append(row["speedup"])
             lo.append(row["speedup"] - (ref / row["max_s"] if row.get("max_s") else bottom))
             hi.append((ref / row["min_s"]) - row["speedup"])
-        colour = "black" if method == REFERENCE else palette[i % len(palette)]
-        style = "-" if method == REFERENCE else "--"
+        look = looks[method]
+        handle = None
         if xs:
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", linestyle=style, color=colour, capsize=3, label=method)
+            handle = ax.errorbar(
+                xs,
+                ys,
+                yerr=[lo, hi],
+                marker=look["marker"],
+                linestyle=look["linestyle"],
+                color=look["color"],
+                linewidth=2.6 if method == REFERENCE else 1.5,
+                capsize=3,
+                zorder=4 if method == REFERENCE else 3,
+            )
+            handle[0].set_gid(method)
         if missed:
-            ax.scatter(missed, [bottom] * len(missed), marker="x", color=colour, label=None if xs else f"{method}")
+            dots = ax.scatter(missed, [bottom] * len(missed), marker="x", color=look["color"], zorder=4)
+            handle = handle or dots
+        if handle is not None:
+            handles.append(handle)
+            names.append(method if xs else f"{method} (missed)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(order, [_rate(bw) for bw in order])
@@ -166,9 +183,9 @@ def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: l
     ax.set_xlabel("link bandwidth (emulated; latency as given)")
     ax.set_ylabel(f"speedup vs {REFERENCE} in time to target")
     ax.set_title(f"time to {target.describe()}: speedup vs {REFERENCE} (x at bottom: missed)")
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ax.grid(True, which="major", alpha=0.3)
+    _legend(ax, handles, names)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -40,6 +41,7 @@ from lightning_sync.benchmark.runs import (
     run_one,
     slug,
 )
+from lightning_sync.benchmark.workers import WARMUP_ARGS, PlannedRun, run_in_workers
 from lightning_sync.comm.compression import COMPRESSIONS
 
 
@@ -144,6 +146,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         metavar="HOSTSxRATE",
         help="run on a namespace cluster of HOSTS hosts with kernel rate-limited links, e.g. 4x1gbit (root, Linux; "
         "one process per host, --devices ignored; every method, ddp included, runs as it is: no emulation)",
+    )
+    parser.add_argument(
+        "--workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the grid in --devices worker processes started once, each fit after an untimed warm-up fit "
+        "(default; start-up is paid once, not per run: lightning_sync/benchmark/workers.py says what that changes "
+        "for timing); --no-workers: every run is its own 'lightning-sync fit' (always so with --cluster)",
     )
     parser.add_argument("--out", default="runs/compare", help="output folder (tables, plots, every run's files)")
     parser.add_argument(
@@ -273,25 +283,24 @@ class Grid:
     stop: bool = True
     run_timeout: float | None = None
     cluster: Any = None
+    workers: bool = True  #: run in worker processes started once (not on a cluster): benchmark/workers.py
 
 
-def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[RunResult]:
+def plan_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[PlannedRun]:
     """Every (link, seed, row) run, in that order (the rows of one seed run back to back, so a change in the
-    machine's load falls on all methods alike); a row that cannot run is a failed result, the others still run."""
-    results: list[RunResult] = []
+    machine's load falls on all methods alike): its folder, overlay and ``fit`` arguments written, or the reason it
+    cannot run."""
+    planned: list[PlannedRun] = []
     total = len(groups) * len(grid.seeds) * len(rows)
-    index = 0
     for group, link in groups:
         for seed in grid.seeds:
             for row in rows:
-                index += 1
                 run_dir = grid.out / slug(group) / slug(row.label) / f"seed{seed}"
                 result = RunResult(row.label, seed, group, run_dir)
-                progress = f"({index}/{total}) {group} {row.label} seed {seed}"
+                progress = f"({len(planned) + 1}/{total}) {group} {row.label} seed {seed}"
                 if row.error:  # unknown strategy: reported, the others still run
                     result.error = row.error
-                    print(f"[compare] {progress}: FAILED ({result.error})", flush=True)
-                    results.append(result)
+                    planned.append(PlannedRun(result, [], progress))
                     continue
                 run_dir.mkdir(parents=True, exist_ok=True)
                 over = overlay(grid.config, row, seed, run_dir, grid.devices, link, grid.target, grid.stop)
@@ -299,7 +308,39 @@ def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) 
                 overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
                 cmd = build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)
                 (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-                results.append(run_one(result, cmd, progress, grid.cluster, grid.run_timeout))
+                planned.append(PlannedRun(result, cmd[3:], progress))  # after "python -m lightning_sync.cli"
+    return planned
+
+
+def warmup_args(grid: Grid, groups: list[tuple[str, str | None]]) -> list[str]:
+    """The untimed warm-up fit each worker start begins with: Lightning's DDP (the reference row, which any
+    workload config must run: a row's own bad argument must not fail the warm-up) at the first link and seed, cut
+    short (:data:`~lightning_sync.benchmark.workers.WARMUP_ARGS`), in ``out/workers/warmup``."""
+    row = make_row(REFERENCE)
+    run_dir = grid.out / "workers" / "warmup"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    over = overlay(grid.config, row, grid.seeds[0], run_dir, grid.devices, groups[0][1], grid.target, False)
+    overlay_path = run_dir / "overlay.yaml"
+    overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
+    return build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)[3:] + list(WARMUP_ARGS)
+
+
+def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[RunResult]:
+    """Every (link, seed, row) run (:func:`plan_grid`'s order); a row that cannot run is a failed result, the others
+    still run. With :attr:`Grid.workers` the runs go through worker processes started once
+    (:mod:`lightning_sync.benchmark.workers`), else each is its own ``lightning-sync fit``."""
+    clock_start = time.perf_counter()
+    planned = plan_grid(grid, groups, rows)
+    if grid.workers and grid.cluster is None:
+        return run_in_workers(planned, grid.devices, grid.out, warmup_args(grid, groups), grid.run_timeout, clock_start)
+    results: list[RunResult] = []
+    for p in planned:
+        if not p.args:
+            print(f"[compare] {p.progress}: FAILED ({p.result.error})", flush=True)
+            results.append(p.result)
+            continue
+        cmd = [sys.executable, "-m", "lightning_sync.cli", *p.args]
+        results.append(run_one(p.result, cmd, p.progress, grid.cluster, grid.run_timeout, clock_start))
     return results
 
 
@@ -335,6 +376,7 @@ def prepare(args: argparse.Namespace, extra: list[str], parser: argparse.Argumen
         extra=extra,
         stop=not args.no_stop,
         run_timeout=args.run_timeout,
+        workers=args.workers,
     )
 
 
@@ -396,8 +438,10 @@ def write_report(
         (folder / "table.md").write_text(text + "\n\n" + report.legend(target, seeds) + "\n")
         report.write_csv(rows, folder / "table.csv")
         written += [folder / "table.md", folder / "table.csv"]
-        written.append(report.plot_curves(runs, target, folder / "metric_vs_time.png", f"{where}, link {group}"))
-        written.append(report.plot_sync(runs, folder / "sync_over_steps.png"))
+        title = f"{where}, link {group}"
+        written.append(report.plot_curves(runs, target, folder / "metric_vs_time.png", title, labels))
+        written.append(report.plot_time_to_target(rows, target, folder / "time_to_target.png", title, labels))
+        written.append(report.plot_sync(runs, folder / "sync_over_steps.png", labels))
         if link is not None:
             by_bandwidth[LinkModel.parse(link).bits_per_second] = {
                 row["method"]: row["summary"] for row in rows if "summary" in row
@@ -408,7 +452,8 @@ def write_report(
     report.write_runs(results, out / "runs.csv")
     written.append(out / "runs.csv")
     if by_bandwidth:
-        written.append(report.plot_bandwidth(by_bandwidth, target, out / "time_to_target_vs_bandwidth.png"))
+        path = out / "time_to_target_vs_bandwidth.png"
+        written.append(report.plot_bandwidth(by_bandwidth, target, path, labels=labels))
     summary = {
         "command": command,
         "where": where,

@@ -36,7 +36,9 @@ __all__ = [
     "apply_class_overrides",
     "base_lr",
     "build_command",
+    "describe",
     "find_target",
+    "finish_run",
     "make_row",
     "overlay",
     "resolve_strategy",
@@ -331,6 +333,7 @@ def run_one(
     progress: str,
     cluster: Any = None,
     timeout: float | None = None,
+    clock_start: float | None = None,
 ) -> RunResult:
     """Run one ``fit``, streaming its per-epoch progress lines, then read what it recorded into ``result``.
 
@@ -400,7 +403,23 @@ def run_one(
             if other_code and not code:
                 code, failed_log = other_code, other_log
     result.seconds = time.perf_counter() - start
-    records = read_records(run_dir / "time_to_target.jsonl")
+    error = ""
+    if code and not result.killed:
+        failed_log = failed_log or log_path
+        tail = failed_log.read_text().strip().splitlines()[-3:]
+        where = "" if failed_log == log_path else f"{failed_log.name}: "
+        error = where + (" | ".join(tail)[-300:] or f"exit code {code}")
+    finish_run(result, code, error, timeout)
+    so_far = "" if clock_start is None else f", {time.perf_counter() - clock_start:.0f}s so far"
+    print(f"[compare] {progress}: {describe(result)}; {result.seconds:.1f}s in all{so_far}", flush=True)
+    return result
+
+
+def finish_run(result: RunResult, code: int, error: str, timeout: float | None) -> None:
+    """Read what a finished run recorded into ``result``: it is ``ok`` when it exited cleanly with records, or was
+    killed at ``timeout`` after recording something (its evaluations count; a run that had not reached the target
+    is missed); otherwise it failed with ``error``."""
+    records = read_records(result.run_dir / "time_to_target.jsonl")
     result.outcome = outcome(records) if records else None
     if code == 0 and result.outcome is not None:
         result.ok = True
@@ -408,16 +427,13 @@ def run_one(
         result.ok = result.outcome is not None
         result.error = f"stopped after the run timeout ({timeout:.0f} s)"
     else:
-        failed_log = failed_log or log_path
-        tail = failed_log.read_text().strip().splitlines()[-3:]
-        where = "" if failed_log == log_path else f"{failed_log.name}: "
-        result.error = where + (" | ".join(tail)[-300:] or f"exit code {code}")
+        result.error = error or f"exit code {code}" + ("" if result.outcome is not None else ", nothing recorded")
+
+
+def describe(result: RunResult) -> str:
+    """The one-line status of a finished run."""
     if result.ok and result.outcome is not None:
         o = result.outcome
         status = f"reached in {o.time_s:.1f}s (step {o.steps:.0f})" if o.reached else f"missed (best {o.best:.4g})"
-        if result.killed:
-            status += ", killed at the run timeout"
-    else:
-        status = f"FAILED ({result.error})"
-    print(f"[compare] {progress}: {status}; {result.seconds:.1f}s in all", flush=True)
-    return result
+        return status + (", killed at the run timeout" if result.killed else "")
+    return f"FAILED ({result.error})"
