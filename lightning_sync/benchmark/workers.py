@@ -14,10 +14,11 @@ first-time costs inside its time (lazy initialisation of torch kernels and of gl
 read from its package); in a worker those are paid once. So that no row is favoured by where it falls in the order,
 every worker start (the first, and a restart after a failed or killed run) begins with an untimed **warm-up fit**:
 Lightning's DDP on the workload at the grid's first link and seed, cut to a few steps and one short validation, in
-a scratch folder; every timed fit then starts warm. Between fits a worker keeps its default process group (Lightning creates it at the first fit and reuses it) and
-nothing else: each fit seeds every generator again (``seed_everything``), builds its own model, data, strategy and
-communicator, and the strategies' own process groups are created per fit. ``tests/test_workers.py`` checks that a
-run trains the same steps to the same metric values in a worker as in its own process.
+a scratch folder; every timed fit then starts warm. Between fits a worker keeps its default process group
+(Lightning creates it at the first fit and reuses it) and nothing else: each fit seeds every generator again
+(``seed_everything``), builds its own model, data, strategy and communicator, and the strategies' own process groups
+are created per fit. ``tests/test_workers.py`` checks that a run trains the same steps to the same metric values in a
+worker as in its own process.
 
 **Failures.** A run that raises on any rank ends the workers (a process group whose peer failed cannot be trusted);
 the run is reported failed with its error, and new workers continue with the next run. ``--run-timeout`` kills the

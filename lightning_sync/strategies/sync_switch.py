@@ -81,7 +81,7 @@ class SyncSwitchStrategy(ASPStrategy):
         shard_size: largest parameter-server shard, in elements.
         bucket_cap_mb: bucket size in MiB of the BSP phase's gradient all-reduce, overlapped with backward as
             :class:`~lightning_sync.strategies.BSPStrategy`'s (a number > 0; ``None``: after backward, no overlap).
-        Other arguments are :class:`~lightning_sync.strategies.base.SyncStrategy`'s.
+        **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments.
     """
 
     strategy_name = "sync_switch"
