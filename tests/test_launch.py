@@ -69,6 +69,7 @@ def test_lightning_cli_yaml_class_path(tmp_path):
             "--trainer.limit_val_batches=2",
             "--trainer.enable_progress_bar=false",
             "--trainer.strategy.init_args.delta=0.0",
+            "--trainer.strategy.init_args.vote=exact",  # Alg. 1's order: the step that voted syncs
             "--trainer.strategy.init_args.link=1gbit,1ms",
             "--trainer.strategy.init_args.start_method=spawn",  # popen would re-run pytest
             f"--trainer.logger.init_args.save_dir={tmp_path}",
@@ -77,7 +78,7 @@ def test_lightning_cli_yaml_class_path(tmp_path):
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, SelSyncStrategy)
-    assert strategy.delta == 0.0 and strategy.link == LinkModel("1gbit", "1ms")
+    assert strategy.delta == 0.0 and strategy.vote == "exact" and strategy.link == LinkModel("1gbit", "1ms")
     m = cli.trainer.callback_metrics
     assert m["sync/sync_steps"] == 5 and m["sync/lssr"] == 0.0  # delta=0 syncs every step
     assert m["sync/blocked_s"] >= 5 * 2 * 1e-3  # two collectives per step, each at least the 1 ms latency

@@ -72,15 +72,15 @@ class HostSelSync(SelSyncStrategy):
         self.host = GradientChangeTracker(window=self.window, smoothing=self.effective_smoothing)
         self._vote2 = torch.zeros(2, dtype=torch.float32)
 
-    def _cast_vote(self) -> torch.Tensor:
+    def _cast_vote(self, vote: Any) -> torch.Tensor:
         assert self.host is not None
         self.host_delta = self.host.update(float(self.flat.grad_sq_norm()))
         self._vote2[0] = 1.0 if wants_sync(self.host_delta, self.delta) else 0.0
         self._vote2[1] = self._sigterm_flag()
-        return self._vote2
+        return self._vote2  # one buffer: Alg. 1's order only (vote="exact")
 
-    def _resolve_vote(self, handle: Any) -> bool:
-        handle.wait()
+    def _resolve_vote(self, vote: Any) -> bool:
+        vote.handle.wait()
         votes, self._sigterm_votes = self._vote2.tolist()
         self.last_voters = int(votes)
         return self.last_voters > 0
@@ -204,18 +204,22 @@ def _suite(rank: int, out_dir: str) -> None:
             s = trainer.strategy
             self.rows.append([s.last_voters, s.last_delta, s.step_counter.sync_steps])
 
-    for agg in ("parameters", "gradients"):
+    # in Alg. 1's vote order (the host reference's) for both aggregations, and in the overlapped order (the default
+    # with parameters) among the three decision paths
+    for agg, vote in (("parameters", "exact"), ("gradients", "exact"), ("parameters", "overlapped")):
         for label, cls in (
             ("device", DeviceSelSync),
             ("host", HostSelSync),
             ("default", SelSyncStrategy),
             ("thread", ThreadSelSync),
         ):
+            if cls is HostSelSync and vote == "overlapped":
+                continue
             decisions = Decisions()
-            trainer = fit(
-                f"sel_{agg}_{label}", cls(delta=DELTA_MIXED, aggregation=agg), max_steps=40, callbacks=[decisions]
-            )
-            res[f"sel_{agg}_{label}"] = {
+            name = f"sel_{agg}_{label}" + ("_overlapped" if vote == "overlapped" else "")
+            strategy = cls(delta=DELTA_MIXED, aggregation=agg, vote=vote)
+            trainer = fit(name, strategy, max_steps=40, callbacks=[decisions])
+            res[name] = {
                 "rows": decisions.rows,
                 "lssr": trainer.strategy.step_counter.lssr,
                 "tracker": type(trainer.strategy.tracker).__name__,
@@ -307,12 +311,18 @@ def test_first_bucket_is_in_flight_before_backward_finishes(suite):
             assert events[end][1] == 3
 
 
-@pytest.mark.parametrize("agg", ["parameters", "gradients"])
+@pytest.mark.parametrize("agg", ["parameters", "gradients", "parameters_overlapped"])
 def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg):
+    """Alg. 1's vote order against the host reference; the overlapped order (two vote buffers in turn, the threshold
+    read on the training thread) among the device, inline host and driver-thread paths."""
     res, params = suite
+    overlapped = agg.endswith("_overlapped")
+    agg = agg.removesuffix("_overlapped")
+    key = "_overlapped" if overlapped else ""
     for r in res:
-        device, host, default = r[f"sel_{agg}_device"], r[f"sel_{agg}_host"], r[f"sel_{agg}_default"]
-        thread = r[f"sel_{agg}_thread"]
+        device, default = r[f"sel_{agg}_device{key}"], r[f"sel_{agg}_default{key}"]
+        host = default if overlapped else r[f"sel_{agg}_host"]
+        thread = r[f"sel_{agg}_thread{key}"]
         assert device["tracker"] == "DeviceGradientChangeTracker"
         assert default["tracker"] == "GradientChangeTracker"  # gradients on the CPU: decided on the host, inline
         assert thread["tracker"] == "GradientChangeTracker" and thread["off_thread"] and not default["off_thread"]
@@ -324,16 +334,29 @@ def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg)
         assert thread["vote_ops"] == device["vote_ops"] == 40
         assert thread["vote_bytes"] == device["vote_bytes"] == default["vote_bytes"]
     for rank in range(WORLD):
-        dev = params(f"sel_{agg}_device", rank)
-        for label in ("host", "default", "thread"):
-            other = params(f"sel_{agg}_{label}", rank)
+        dev = params(f"sel_{agg}_device{key}", rank)
+        for label in ("default", "thread") if overlapped else ("host", "default", "thread"):
+            other = params(f"sel_{agg}_{label}{key}", rank)
             assert all(torch.equal(dev[k], other[k]) for k in dev)
 
 
 # ------------------------------------------------------------------------------------ no host read (in-process)
-@pytest.mark.parametrize("path", ["device", "thread"])
-@pytest.mark.parametrize("agg", ["parameters", "gradients"])
-def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg, path):
+@pytest.mark.parametrize(
+    "agg, vote, path",
+    [
+        ("parameters", "exact", "device"),
+        ("parameters", "exact", "thread"),
+        ("parameters", "overlapped", "thread"),
+        ("parameters", "overlapped", "device"),
+        ("gradients", "exact", "device"),
+        ("gradients", "exact", "thread"),
+    ],
+)
+def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg, vote, path):
+    """Between the end of backward and the update. The driver-thread path (CUDA's) reads nothing in either vote order
+    with parameter aggregation. The device tracker (accelerators other than CPU and CUDA) in the overlapped order
+    reads one flag a step: whether the previous step's norm was finite, computed a step earlier, which its window
+    needs before this step's update of it (the vote that carries it is read only after this step's update)."""
     import lightning.pytorch as pl
 
     from lightning_sync.data import DigitsDataModule
@@ -343,15 +366,19 @@ def test_selsync_reads_nothing_on_the_host_before_the_update(single_process, agg
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy={"device": DeviceSelSync, "thread": ThreadSelSync}[path](delta=DELTA_MIXED, aggregation=agg),
+        strategy={"device": DeviceSelSync, "thread": ThreadSelSync}[path](
+            delta=DELTA_MIXED, aggregation=agg, vote=vote
+        ),
         max_steps=8,
         callbacks=[probe],
         **quiet_trainer_kwargs(limit_val_batches=0),
     )
     trainer.fit(ProbedCNN(), DigitsDataModule(batch_size=32))
     assert len(probe.per_step) == 8
-    if agg == "parameters":
+    if agg == "parameters" and (vote == "exact" or path == "thread"):
         assert probe.per_step == [[]] * 8  # the vote is read after the update was launched
+    elif agg == "parameters":
+        assert probe.per_step == [[]] + [["__bool__"]] * 7  # the previous step's finite flag (the docstring)
     else:
         # gradient aggregation must know the vote before the update: one read per step (the documented cost)
         assert all(calls == ["tolist"] for calls in probe.per_step), probe.per_step

@@ -43,6 +43,9 @@ EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco")
 ASYNC = ("asp", "ssp", "aladdin")
 #: compressed cases (int8: residuals and the averaging reference are per-rank state), run like EXACT and ASYNC
 COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8", "diloco_int8")
+#: other settings of a strategy that resume exactly: SelSync in Alg. 1's vote order (the default, "overlapped", is
+#: "selsync" above: its checkpoint is taken with the previous step's vote in flight, which decides after the resume)
+VARIANTS_EXACT = ("selsync_exact",)
 COMPRESSED_ASYNC = ("asp_int8",)
 #: state entries that are wall-clock measurements, not trajectory (per-tag blocked seconds, measured times)
 TIME_KEYS = frozenset({"blocked_seconds", "blocked_s", "seconds", "ics_wait_s", "overlap"})
@@ -59,6 +62,7 @@ def _strategy(name: str):
     return {
         "bsp": lambda: S.BSPStrategy(**sync),
         "selsync": lambda: S.SelSyncStrategy(delta=0.05, **sync),
+        "selsync_exact": lambda: S.SelSyncStrategy(delta=0.05, vote="exact", **sync),
         # offset 2: averages after steps 3, 6, ..., so the mid-epoch checkpoint (step 15) is saved in sync
         "localsgd": lambda: S.LocalSGDStrategy(period=3, offset=2, **sync),
         "fedavg": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **sync),
@@ -160,7 +164,7 @@ def _suite(rank: int, out_dir: str) -> None:
     res["steps_per_epoch"] = steps_per_epoch
 
     # deterministic strategies: a checkpoint at step C, in the middle of the second epoch
-    for name in EXACT + COMPRESSED_EXACT:
+    for name in EXACT + COMPRESSED_EXACT + VARIANTS_EXACT:
         ckdir = out / f"ckpt_{name}"
         at = steps_per_epoch + steps_per_epoch // 2
         mc = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=at, save_top_k=-1, filename="{step}")
@@ -249,7 +253,7 @@ def test_the_suite_covers_every_strategy():
     assert {cls.strategy_name for cls in STRATEGIES} == {*EXACT, *ASYNC, "sync_switch"}
 
 
-@pytest.mark.parametrize("name", EXACT + COMPRESSED_EXACT)
+@pytest.mark.parametrize("name", EXACT + COMPRESSED_EXACT + VARIANTS_EXACT)
 def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(suite, name):
     out, res = suite
     spe, at = res[0]["steps_per_epoch"], res[0][f"{name}_ckpt_step"]
@@ -286,6 +290,22 @@ def test_checkpoint_parts_count_their_own_save_whether_the_replicas_are_in_sync_
         # verify_sync: one gather after every sync, and the in-sync save's one
         assert in_sync["ops"]["verify"] == in_sync["ops"]["params"] + 1
         assert between["ops"]["verify"] == between["ops"]["params"]
+
+
+def test_selsync_checkpoint_holds_the_vote_in_flight(suite):
+    """The resume case above covers SelSync's default vote order (``"overlapped"``): the checkpoint is taken with
+    the last step's vote in flight; the part holds what it delivered (the votes, SIGTERM flags, each rank's Δ), which
+    decides after the first step of the resumed run as it did in the uninterrupted one. In Alg. 1's order nothing is
+    in flight at a checkpoint."""
+    out, res = suite
+    for rank in range(WORLD):
+        at = res[0]["selsync_ckpt_step"]
+        state = _part(out, "selsync", f"step={at}.ckpt", rank)["strategy_state"]
+        assert (
+            state["vote_in_flight"] is not None and len(state["vote_in_flight"]) == 4
+        )  # votes, SIGTERM, own Δ, finite
+        exact = _part(out, "selsync_exact", f"step={res[0]['selsync_exact_ckpt_step']}.ckpt", rank)["strategy_state"]
+        assert exact["vote_in_flight"] is None
 
 
 def test_diloco_checkpoint_holds_the_fragment_in_flight_and_the_outer_state(suite):

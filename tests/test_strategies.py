@@ -89,16 +89,16 @@ def _suite(rank: int, out_dir: str) -> None:
     f64 = {"precision": "64-true"}
     fit("ddp", DDPStrategy(), **f64)
     fit("bsp64", BSPStrategy(verify_sync=True), **f64)
-    fit("sel0", SelSyncStrategy(delta=0.0, verify_sync=True), **f64)
+    fit("sel0", SelSyncStrategy(delta=0.0, vote="exact", verify_sync=True), **f64)
     fit("sel0ga", SelSyncStrategy(delta=0.0, aggregation="gradients"), **f64)
     fit("ddp_acc", DDPStrategy(), accumulate_grad_batches=2, **f64)
     fit("bsp_acc", BSPStrategy(), accumulate_grad_batches=2, **f64)
-    tr, _ = fit("sel0_acc", SelSyncStrategy(delta=0.0), accumulate_grad_batches=2, **f64)
+    tr, _ = fit("sel0_acc", SelSyncStrategy(delta=0.0, vote="exact"), accumulate_grad_batches=2, **f64)
     res["sel0_acc"] = tr.strategy.sync_metrics()
     # float32: what is bit-exact (replicas identical after every sync) and the accounting
     tr, _ = fit("bsp", BSPStrategy(verify_sync=True))
     res["bsp"] = tr.strategy.sync_metrics()
-    tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, verify_sync=True))
+    tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, vote="exact", verify_sync=True))
     res["sel0"] = tr.strategy.sync_metrics()
 
     # 2. a delta above every Delta: purely local, only votes travel
@@ -155,6 +155,7 @@ def _suite(rank: int, out_dir: str) -> None:
     for name, make in (
         ("bsp", lambda: BSPStrategy(**short)),
         ("selsync", lambda: SelSyncStrategy(DELTA_MIXED, **short)),
+        ("selsync_exact", lambda: SelSyncStrategy(DELTA_MIXED, vote="exact", **short)),
     ):
         strategy = make()
         try:
@@ -265,10 +266,12 @@ def test_seldp_callback_swaps_training_sampler_only(suite):
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(suite):
     res, _ = suite
-    for name in ("bsp", "selsync"):
+    # rank 1 receives it at the start of step 4: BSP and SelSync in Alg. 1's order stop after that step's update;
+    # SelSync's default (vote="overlapped") reads that step's vote, which carries the flag, one step later
+    for name, last in (("bsp", 4), ("selsync_exact", 4), ("selsync", 5)):
         stops = [r[f"sigterm_{name}"] for r in res]
         assert stops[0] is not None and stops[0] == stops[1]
-        assert stops[0][0] == "SIGTERMException" and stops[0][1] <= 4
+        assert stops[0][0] == "SIGTERMException" and stops[0][1] == last
 
 
 def test_lightning_per_step_collective_goes_through_the_accounting(suite):

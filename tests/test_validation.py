@@ -562,6 +562,12 @@ SPECS: dict[type, dict[str, Arg]] = {
         outer_optimizer=Arg(
             **{**_OUTER.__dict__, "note": "with aggregation='gradients' (not the default) only None: refused there"}
         ),
+        vote=choice_arg(
+            "vote",
+            ("exact", "overlapped", None),
+            r"vote must be 'exact', 'overlapped' or None",
+            note="'overlapped' with aggregation='gradients' is refused (checked)",
+        ),
     ),
     LocalSGDStrategy: _with(
         base_specs(),

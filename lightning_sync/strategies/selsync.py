@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -19,10 +20,28 @@ from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.evaluation import check_evaluate
 
 Aggregation = Literal["parameters", "gradients"]
+Vote = Literal["exact", "overlapped"]
+
+
+@dataclass
+class _Vote:
+    """A vote all-reduce: in flight (``handle``, summing into ``buffer``), or what it delivered (``values``: settled
+    before a checkpoint, or restored from one)."""
+
+    handle: CommHandle | None
+    buffer: torch.Tensor | None
+    values: list[float] | None = None
+    #: this rank's Δ of the vote (a float, or a 0-d float64 device tensor from the device tracker; exact, not sent)
+    delta: float | torch.Tensor = 0.0
+    #: the device tracker's update count when the vote was cast (whether a later update already settled it)
+    update: int = 0
+
 
 #: ``sync_fraction`` when ``delta="auto"`` and none is given: the fraction of steps that synchronise. Chosen from
 #: measurements (README, "SelSync's threshold"; ``benchmarks/dropin.py --selsync-sweep``).
 DEFAULT_SYNC_FRACTION = 0.25
+#: ``vote`` with parameter aggregation when none is given (gradient aggregation is always ``"exact"``)
+DEFAULT_VOTE: Vote = "overlapped"
 
 
 class SelSyncStrategy(SyncStrategy):
@@ -41,6 +60,17 @@ class SelSyncStrategy(SyncStrategy):
        any rank voted, parameters and buffers are averaged (one all-reduce). The vote's all-reduce is launched
        asynchronously before the update and waited on after it, so its latency overlaps the optimizer step.
        ``aggregation="gradients"``: if any rank voted, gradients (and buffers) are averaged before the update.
+
+    **The vote off the critical path** (``vote="overlapped"``, the default with parameter aggregation): step
+    :math:`k`'s vote is launched after its backward as above but read after step :math:`k+1`'s update, so its round
+    trip (the link's latency, twice) runs during step :math:`k+1`'s forward and backward instead of between the
+    update and the next step; a step that does not sync waits for nothing. Alg. 1's rule is unchanged — any rank's
+    :math:`\Delta \ge \delta` makes a sync, Δ and δ computed as above — but the average it decides is taken one
+    step later, of the replicas as they are then (after step :math:`k+1`'s update), and the first step never syncs.
+    ``vote="exact"`` keeps Alg. 1's order (the average right after the step that voted), at one round trip per step.
+    A vote still in flight is waited for at a checkpoint (its result is saved and decides the first step after a
+    resume, so a resumed run follows the uninterrupted one) and at the end of training (dropped: its step never
+    comes). The SIGTERM flag it carries stops every rank one step later, together.
 
     **The training thread never waits for the decision before the update is queued.** With the gradients on a CUDA
     device, the squared norm is computed there and copied, without blocking, into pinned host memory behind a CUDA
@@ -98,6 +128,10 @@ class SelSyncStrategy(SyncStrategy):
             replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
             of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
             :mod:`~lightning_sync.strategies.evaluation`).
+        vote: ``"overlapped"`` (a step's vote decides after the next step's update: no round trip on a local
+            step), ``"exact"`` (Alg. 1's order: decided right after the step's own update) or ``None``: overlapped
+            with ``aggregation="parameters"``, exact with ``"gradients"`` (which needs the decision before the update;
+            ``"overlapped"`` is refused there).
         **kwargs: :class:`~lightning_sync.strategies.base.SyncStrategy` arguments (``link``, ``verify_sync``...).
     """
 
@@ -116,8 +150,17 @@ class SelSyncStrategy(SyncStrategy):
         average_at_end: bool = True,
         evaluate: Literal["average", "last_sync"] = "average",
         calibration_warmup: int | None = None,
+        vote: Vote | None = None,
         **kwargs: Any,
     ) -> None:
+        if vote is not None and vote not in ("exact", "overlapped"):
+            raise ValueError(f"vote must be 'exact', 'overlapped' or None, got {vote!r}")
+        if vote == "overlapped" and aggregation == "gradients":
+            raise ValueError(
+                "vote='overlapped' needs aggregation='parameters': gradient aggregation averages the gradients "
+                "before the update, so it needs the step's decision before it (vote='exact'). Use "
+                "aggregation='parameters' with vote='overlapped', or vote='exact' (the default with gradients)."
+            )
         if not (isinstance(delta, str) and delta == "auto"):
             try:
                 check_real("delta", delta, 0.0, allow_inf=True)
@@ -170,6 +213,9 @@ class SelSyncStrategy(SyncStrategy):
         )
         self.average_at_end = average_at_end
         self.evaluate = evaluate
+        #: when a step's vote is read: ``"exact"`` (Alg. 1's order, after this step's update) or ``"overlapped"``
+        #: (after the next step's update: the vote's round trip runs during that step's forward and backward)
+        self.vote: Vote = vote if vote is not None else ("exact" if aggregation == "gradients" else DEFAULT_VOTE)
         self.calibrator: DeltaCalibrator | None = None
         #: the threshold of the last vote (``delta`` itself when fixed)
         self.threshold = 0.0 if self.auto else float(delta)
@@ -178,9 +224,13 @@ class SelSyncStrategy(SyncStrategy):
         self.aggregation: Aggregation = aggregation
         self.tracker: DeviceGradientChangeTracker | GradientChangeTracker | None = None
         self.last_voters = 0
-        self._vote: torch.Tensor | None = None  # see _on_flat_ready
+        self._decided_delta: float | torch.Tensor = 0.0  # this rank's delta of the last vote read
+        self._votes: list[torch.Tensor] = []  # two vote buffers, used in turn (see _on_flat_ready)
+        self._next_buffer = 0
         self._sigterm_votes = 0.0
-        self._pending_vote: CommHandle | None = None
+        self._launched: _Vote | None = None  # this step's vote, launched after backward
+        self._in_flight: _Vote | None = None  # vote="overlapped": the previous step's, read after this update
+        self._sigterm_deferred = False  # vote="overlapped": this rank's SIGTERM, until a vote that carries it is read
         self._sq_host: torch.Tensor | None = None  # pinned copy of the squared norm (CUDA gradients, host decision)
         self._sq_ready: torch.cuda.Event | None = None
 
@@ -200,8 +250,9 @@ class SelSyncStrategy(SyncStrategy):
 
     @property
     def last_delta(self) -> float:
-        """This rank's last :math:`\\Delta(g_i)` (read from the device when asked: metrics, checkpoints)."""
-        return self.tracker.last_delta if self.tracker is not None else 0.0
+        """This rank's :math:`\\Delta(g_i)` of the last vote read (with ``vote="overlapped"`` the previous step's:
+        the tracker may be deciding the current step's on the driver thread)."""
+        return float(self._decided_delta)
 
     #: where the decision is computed: ``None`` = on the host (inline for CPU gradients, on the communicator's
     #: driver thread for CUDA gradients; other accelerators: on the device); ``False`` forces the device tracker
@@ -230,7 +281,9 @@ class SelSyncStrategy(SyncStrategy):
         # [votes, SIGTERM flags, (delta="auto": each rank's delta in its own slot, so the sum delivers them all),
         #  whether this rank's norm was finite (local: read with the vote, not sent)]
         device = self.tracker.device if isinstance(self.tracker, DeviceGradientChangeTracker) else torch.device("cpu")
-        self._vote = torch.zeros(self._vote_slots() + 1, dtype=torch.float32, device=device)
+        # two buffers: with vote="overlapped" a step's vote is cast while the previous one is still in flight
+        self._votes = [torch.zeros(self._vote_slots() + 1, dtype=torch.float32, device=device) for _ in range(2)]
+        self._next_buffer = 0
         self._sq_host = self._sq_ready = None
         cuda = self._grads_device().type == "cuda"
         off_thread = cuda if self._decide_off_thread is None else self._decide_off_thread
@@ -250,93 +303,148 @@ class SelSyncStrategy(SyncStrategy):
 
     # ------------------------------------------------------------------ Alg. 1
     def _after_backward(self, optimizer: Optimizer) -> None:
-        handle = self._launch_vote()
+        vote = self._launch_vote()
         if self.aggregation == "gradients":
-            synced = self._resolve_vote(handle)
+            synced = self._resolve_vote(vote)
             if synced:
                 self.average_grads(tag="grads")
             self.step_counter.record(synced)
             self._stop_if_sigterm()
         else:
-            self._pending_vote = handle
+            self._launched = vote
 
     def _after_update(self, optimizer: Optimizer) -> None:
         if self.aggregation != "parameters":
             return
-        handle, self._pending_vote = self._pending_vote, None
-        if handle is None:  # the optimizer skipped the closure (e.g. a skipped step): nothing to decide
+        launched, self._launched = self._launched, None
+        if launched is None:  # the optimizer skipped the closure (e.g. a skipped step): nothing to decide
             return
-        synced = self._resolve_vote(handle)
+        if self.vote == "exact":
+            decided: _Vote | None = launched
+        else:  # the previous step's vote, in flight during this step's forward and backward; this one's next step
+            decided, self._in_flight = self._in_flight, launched
+        synced = self._resolve_vote(decided) if decided is not None else False
         if synced:
             self.average_state(tag="params")
         self.step_counter.record(synced)
         self._stop_if_sigterm()
+        if self.vote == "overlapped":
+            self._defer_local_sigterm()
 
-    def _launch_vote(self) -> CommHandle:
-        """Lines 8-12 of Alg. 1 in flight: the vote all-reduce, launched without blocking the training thread."""
+    def _defer_local_sigterm(self) -> None:
+        """``vote="overlapped"``: a SIGTERM this rank received reaches the others with a vote read one step later, so
+        every rank stops then, together. Lightning also stops a rank that received it at the end of its batch, on its
+        own flag: that flag moves here until the vote that carries it is read (and is set again then)."""
+        connector = getattr(self.lightning_module.trainer, "_signal_connector", None)
+        if connector is not None and getattr(connector, "received_sigterm", False):
+            connector.received_sigterm = False
+            self._sigterm_deferred = True
+
+    def _sigterm_flag(self) -> float:
+        return 1.0 if self._sigterm_deferred else super()._sigterm_flag()
+
+    def _settle_in_flight(self) -> None:
+        """Wait for the vote still in flight (``vote="overlapped"``) and keep what it delivered, so nothing is in
+        flight at a checkpoint or when training ends (every rank does this at the same step)."""
+        if self._in_flight is not None and self._in_flight.values is None:
+            self._in_flight.handle.wait()  # type: ignore[union-attr]
+            self._in_flight.values = self._in_flight.buffer.tolist()
+
+    def on_train_end(self) -> None:
+        # the last step's vote would decide a step that never comes: wait for it (nothing left in flight), drop it
+        self._settle_in_flight()
+        self._in_flight = None
+        self._restore_deferred_sigterm()  # a SIGTERM in the last step: Lightning's flag as it would have been
+        super().on_train_end()
+
+    def _buffer(self) -> torch.Tensor:
+        buffer = self._votes[self._next_buffer]
+        self._next_buffer = 1 - self._next_buffer
+        return buffer
+
+    def _launch_vote(self) -> _Vote:
+        """Lines 8-12 of Alg. 1 in flight: the vote all-reduce, launched without blocking the training thread. The
+        threshold is read here, on the training thread (``delta="auto"``: from the maxima observed so far)."""
+        vote = _Vote(None, self._buffer())
+        buffer = vote.buffer
+        assert buffer is not None
+        if self.calibrator is not None:
+            self.threshold = self.calibrator.threshold()
+        threshold = self.threshold
         if self._sq_host is None:
-            return self.comm.all_reduce(self._cast_vote(), op="sum", tag="vote", async_op=True)
-        assert self._vote is not None
+            vote.handle = self.comm.all_reduce(self._cast_vote(vote), op="sum", tag="vote", async_op=True)
+            return vote
         self._sq_host.copy_(self.flat.grad_sq_norm(), non_blocking=True)
         sq_host, ready, sigterm = self._sq_host, self._sq_ready, self._sigterm_flag()
         if ready is not None:
             ready.record()
 
-        def decide() -> None:  # on the communicator's driver thread
+        def decide() -> None:  # on the communicator's driver thread (the handle's wait happens after it)
             if ready is not None:
                 ready.synchronize()
-            self._write_vote(float(sq_host), sigterm)
+            vote.delta = self._write_vote(buffer, float(sq_host), sigterm, threshold)
 
-        return self.comm.all_reduce_from_host(self._vote[: self._vote_slots()], decide, op="sum", tag="vote")
+        vote.handle = self.comm.all_reduce_from_host(buffer[: self._vote_slots()], decide, op="sum", tag="vote")
+        return vote
 
-    def _cast_vote(self) -> torch.Tensor:
-        """This rank's vote (Alg. 1 lines 8-11) and SIGTERM flag, all computed on the device (no host read): the
-        two floats the vote all-reduce sums."""
-        assert self.tracker is not None and self._vote is not None
+    def _cast_vote(self, vote: _Vote) -> torch.Tensor:
+        """This rank's vote (Alg. 1 lines 8-11) and SIGTERM flag into ``vote.buffer`` — with the device tracker all
+        computed on the device (no host read) — and its Δ into ``vote.delta``: the floats the vote all-reduce sums."""
+        assert self.tracker is not None and vote.buffer is not None
+        buffer = vote.buffer
         if isinstance(self.tracker, GradientChangeTracker):
-            return self._cast_vote_on_host(self.tracker)
+            sq = float(self.flat.grad_sq_norm())
+            vote.delta = self._write_vote(buffer, sq, self._sigterm_flag(), self.threshold)
+            return buffer[: self._vote_slots()]
         delta, finite = self.tracker.update(self.flat.grad_sq_norm())
-        vote = self._vote
-        if self.calibrator is not None:  # delta for this step from the maxima observed so far (host floats)
-            self.threshold = self.calibrator.threshold()
-            vote[2:-1].zero_()
-            vote[2 + self.global_rank].copy_(delta)  # inf for a non-finite norm: the calibrator counts it as a sync
-        vote[0].copy_(delta >= self.threshold)  # core.wants_sync
-        vote[1].fill_(self._sigterm_flag())
-        vote[-1].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
-        return vote[: self._vote_slots()]
+        vote.delta, vote.update = delta, self.tracker.steps  # Δ read on the host only when asked (last_delta)
+        if self.calibrator is not None:  # every rank's delta in its own slot
+            buffer[2:-1].zero_()
+            buffer[2 + self.global_rank].copy_(delta)  # inf for a non-finite norm: the calibrator counts it as a sync
+        buffer[0].copy_(delta >= self.threshold)  # core.wants_sync
+        buffer[1].fill_(self._sigterm_flag())
+        buffer[-1].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
+        return buffer[: self._vote_slots()]
 
-    def _cast_vote_on_host(self, tracker: GradientChangeTracker) -> torch.Tensor:
-        """:meth:`_cast_vote` with the host tracker (gradients on the CPU): the same values, written from floats."""
-        assert self._vote is not None
-        self._write_vote(float(self.flat.grad_sq_norm()), self._sigterm_flag())
-        return self._vote[: self._vote_slots()]
-
-    def _write_vote(self, sq_norm: float, sigterm: float) -> None:
-        """The host tracker's step (Alg. 1 lines 8-11) on this step's squared norm, written into the vote tensor."""
-        assert self._vote is not None and isinstance(self.tracker, GradientChangeTracker)
+    def _write_vote(self, buffer: torch.Tensor, sq_norm: float, sigterm: float, threshold: float) -> float:
+        """The host tracker's step (Alg. 1 lines 8-11) on this step's squared norm, written into ``buffer``; returns
+        this rank's Δ."""
+        assert isinstance(self.tracker, GradientChangeTracker)
         delta = self.tracker.update(sq_norm)
-        if self.calibrator is not None:
-            self.threshold = self.calibrator.threshold()
-        values = [1.0 if delta >= self.threshold else 0.0, sigterm]
+        values = [1.0 if delta >= threshold else 0.0, sigterm]
         if self.calibrator is not None:
             slots = [0.0] * self.world_size
             slots[self.global_rank] = delta
             values += slots
         values.append(1.0 if math.isfinite(sq_norm) else 0.0)
-        self._vote.copy_(torch.tensor(values, dtype=torch.float32))
+        buffer.copy_(torch.tensor(values, dtype=torch.float32))
+        return delta
 
     def _stop_if_sigterm(self) -> None:
         if self._sigterm_votes > 0:  # some rank received SIGTERM before this step's vote: all stop here
+            self._restore_deferred_sigterm()
             raise SIGTERMException()
 
-    def _resolve_vote(self, handle: CommHandle) -> bool:
-        handle.wait()
-        assert self._vote is not None and self.tracker is not None
-        values = self._vote.tolist()  # the step's one host read
+    def _restore_deferred_sigterm(self) -> None:
+        if self._sigterm_deferred:
+            self._sigterm_deferred = False
+            connector = getattr(self.lightning_module.trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = True
+
+    def _resolve_vote(self, vote: _Vote) -> bool:
+        if vote.values is None:
+            vote.handle.wait()  # type: ignore[union-attr]
+            values = vote.buffer.tolist()  # the step's one host read
+        else:
+            values = vote.values  # settled before a checkpoint, or restored from one
+        assert self.tracker is not None
         votes, self._sigterm_votes, finite = values[0], values[1], values[-1]
-        if isinstance(self.tracker, DeviceGradientChangeTracker):
-            self.tracker.commit(finite > 0)  # (the host tracker settled it in update)
+        self._decided_delta = vote.delta
+        if isinstance(self.tracker, DeviceGradientChangeTracker) and self.tracker.steps == vote.update:
+            # (the host tracker settled it in update; so did the device tracker's next update if there was one,
+            # reading the flag itself: vote="overlapped" casts the next vote before this one is read)
+            self.tracker.commit(finite > 0)
         self.last_voters = int(votes)
         if self.calibrator is not None:  # every rank holds every rank's delta: the same maximum everywhere
             self.calibrator.observe(max(values[2:-1]))
@@ -351,16 +459,20 @@ class SelSyncStrategy(SyncStrategy):
         return metrics
 
     def strategy_state(self) -> dict[str, Any]:
+        self._settle_in_flight()  # the previous step's vote (vote="overlapped"): its decision, and the tracker, settled
         state = super().strategy_state()
         state["tracker"] = self.tracker.state_dict() if self.tracker is not None else None
         state["last_delta"] = self.last_delta
         state["calibrator"] = self.calibrator.state_dict() if self.calibrator is not None else None
         state["threshold"] = self.threshold
+        pending = self._in_flight
+        state["vote_in_flight"] = None if pending is None else [*(pending.values or []), float(pending.delta)]
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         super().load_strategy_state(state)
-        if state.get("tracker") is not None:  # (its "last_delta" is the strategy's too)
+        self._decided_delta = float(state.get("last_delta", 0.0))
+        if state.get("tracker") is not None:
             tracker = self._new_tracker()
             tracker.load_state_dict(state["tracker"])
             self.tracker = tracker
@@ -379,3 +491,10 @@ class SelSyncStrategy(SyncStrategy):
                 f"the checkpoint was written with delta='auto'; this run uses delta={self.delta}: resume with "
                 "delta='auto' (and the same sync_fraction)"
             )
+        pending = state.get("vote_in_flight")
+        if pending is not None and self.vote != "overlapped":
+            raise ValueError(
+                "the checkpoint was written with vote='overlapped' (a step's vote decides after the next step): "
+                "resume it with vote='overlapped'"
+            )
+        self._in_flight = None if pending is None else _Vote(None, None, list(pending[:-1]), float(pending[-1]))
