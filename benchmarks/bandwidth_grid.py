@@ -6,7 +6,9 @@
 
 ``compare --merge`` re-renders earlier runs from their run folders (the records of every evaluation), which live in
 the scratch ``--out`` of the machine that ran them. This script needs only what is committed: each report's
-``summary.json`` (the tables ``compare`` wrote). It writes ``grid.md``: a row per method, a column per link, the
+``summary.json`` (the tables ``compare`` wrote; per-run records an experiment keeps are packed in its
+``records.jsonl.gz`` by ``benchmarks/pack_records.py`` and not read here). It writes ``grid.md``: a row per method,
+a column per link, the
 speedup against Lightning's DDP **of the same report** (every ratio is measured side by side in one run, never across
 runs), the runs that reached the target, and DDP's mean time per link; and ``speedup_vs_bandwidth.png``, those
 speedups against bandwidth (log axes, DDP the line at 1, min-max of the ratio as error bars: the slowest run of the

@@ -148,7 +148,8 @@ NESTEROV = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 #: the paper's outer optimizer, given explicitly: these tables were measured with it (DiLoCo's default became
-#: ``"auto"`` later, SlowMo's outer step over this script's SGD; README, "DiLoCo and the outer optimizer")
+#: ``"auto"`` later, SlowMo's outer step over this script's SGD; docs/strategies/diloco.md, "The outer optimizer in
+#: detail")
 PAPER_OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 

@@ -46,7 +46,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-#: every strategy name of the pack, in the order of the README (Lightning's ``ddp`` is the reference)
+#: every strategy name of the pack, in the order its tables list them (Lightning's ``ddp`` is the reference)
 STRATEGIES = (
     "bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco", "asp", "ssp", "aladdin", "sync_switch"
 )  # fmt: skip

@@ -515,3 +515,116 @@ def test_bandwidth_grid_drop_leaves_a_reports_rows_out(tmp_path):
         grid.main([old, "--drop", f"{new}=asp", "--out", str(tmp_path / "y")])
     with pytest.raises(ValueError, match="must look like REPORT=METHOD"):
         grid.main([old, "--drop", "asp", "--out", str(tmp_path / "y")])
+
+
+def _experiment(folder: Path) -> dict[Path, bytes]:
+    """A compare --out as it would be committed with its run folders (one a lane's, one run cut short, one flat
+    record), and the bytes of every file below it."""
+    import json
+
+    from lightning_sync.benchmark.report import write_runs
+    from lightning_sync.benchmark.runs import RunResult
+
+    def row(method, mean, speedup):
+        return {"method": method, "runs": 2, "reached": 2, "mean_s": mean, "min_s": mean, "max_s": mean,
+                "dropped_extremes": False, "speedup": speedup}  # fmt: skip
+
+    summary = {
+        "target": {"metric": "val/acc", "value": 0.9, "mode": "max"},
+        "labels": ["ddp", "localsgd"],
+        "groups": [["1gbit,1ms", "1gbit,1ms"]],
+        "tables": {"1gbit,1ms": [row("ddp", 2.0, 1.0), row("localsgd", 1.0, 2.0)]},
+    }
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    results = []
+    for label in ("ddp", "localsgd"):
+        for seed in (0, 1):
+            run_dir = folder / "1gbit-1ms" / label / f"seed{seed}"
+            (run_dir / "logs").mkdir(parents=True)
+            text = "".join(json.dumps(r) + "\n" for r in _history([0.5, 0.95]))
+            if (label, seed) == ("localsgd", 1):
+                text += '{"event": "eval", "ste'  # a killed run's last line, cut short
+            (run_dir / "time_to_target.jsonl").write_text(text)
+            (run_dir / "summary.json").write_text(json.dumps({"global_step": 20, "fit": {"val/acc": 0.95}}, indent=2))
+            (run_dir / "overlay.yaml").write_text(f"seed_everything: {seed}\n")
+            (run_dir / "command.txt").write_text(f"python -m lightning_sync.cli fit --seed {seed}\n")
+            (run_dir / "logs" / "metrics.csv").write_text("step,val/acc\n10,0.5\n20,0.95\n")
+            results.append(RunResult(label, seed, "1gbit,1ms", run_dir, ok=True))
+    write_runs(results, folder / "runs.csv")
+    lane = folder / "tune_a" / "1gbit-1ms" / "asp-lr_scale-2.0" / "seed0"
+    lane.mkdir(parents=True)
+    (lane / "time_to_target.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _history([0.91])))
+    (folder / "tune_a" / "base_config.yaml").write_text("trainer: {}\n")
+    (folder / "osp_seed0_time_to_target.jsonl").write_text(json.dumps({"event": "start", "seed": 0}) + "\n")
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_pack_records_one_file_per_experiment_lossless_and_idempotent(tmp_path):
+    """The per-run folders go into the experiment's records.jsonl.gz (one JSON object per run: its link, method,
+    seed and records) and are removed; --check lists the unpacked folder; packing again changes nothing; --unpack
+    gives back every file byte for byte, a cut-short record and the run's other text files included."""
+    import gzip
+    import json
+
+    packer = _script("pack_records")
+    exp = tmp_path / "docs" / "vgg" / "1gbit"
+    before = _experiment(exp)
+    assert packer.main(["--root", str(tmp_path / "docs"), "--check"]) == 1
+    assert packer.pack(exp) == 6
+    assert packer.main(["--root", str(tmp_path / "docs"), "--check"]) == 0
+    left = sorted(p.relative_to(exp).as_posix() for p in exp.rglob("*") if p.is_file())
+    assert left == ["records.jsonl.gz", "runs.csv", "summary.json", "tune_a/base_config.yaml"]
+    with gzip.open(exp / "records.jsonl.gz", "rt") as f:  # the standard library reads it
+        runs = {r["run"]: r for r in map(json.loads, f)}
+    assert runs == {r["run"]: r for r in packer.read_packed(exp)} and len(runs) == 6
+    first = runs["1gbit-1ms/ddp/seed0"]
+    assert (first["link"], first["method"], first["seed"]) == ("1gbit-1ms", "ddp", 0)
+    assert first["records"] == _history([0.5, 0.95]) and first["summary"]["global_step"] == 20
+    assert first["files"] == {"command.txt": "python -m lightning_sync.cli fit --seed 0\n",
+                              "logs/metrics.csv": "step,val/acc\n10,0.5\n20,0.95\n",
+                              "overlay.yaml": "seed_everything: 0\n"}  # fmt: skip
+    assert "time_to_target.jsonl" in runs["1gbit-1ms/localsgd/seed1"]["files"]  # kept verbatim: not valid JSON lines
+    lane = runs["tune_a/1gbit-1ms/asp-lr_scale-2.0/seed0"]
+    assert (lane["link"], lane["method"], lane["seed"]) == ("1gbit-1ms", "asp-lr_scale-2.0", 0)
+    flat = runs["osp_seed0_time_to_target.jsonl"]
+    assert (flat["link"], flat["method"], flat["seed"]) == (None, "osp", 0)
+    packed = (exp / "records.jsonl.gz").read_bytes()
+    assert packer.pack(exp) == 0 and (exp / "records.jsonl.gz").read_bytes() == packed  # idempotent
+    assert packer.main(["--unpack", str(exp), "--out", str(tmp_path / "back")]) == 0
+    back = {p.relative_to(tmp_path / "back"): p.read_bytes() for p in (tmp_path / "back").rglob("*") if p.is_file()}
+    assert back == {k: v for k, v in before.items() if k.as_posix() not in left}
+    # a run added later joins the file; the same run with other contents is refused
+    extra = exp / "1gbit-1ms" / "ddp" / "seed2"
+    extra.mkdir(parents=True)
+    (extra / "time_to_target.jsonl").write_text(json.dumps({"event": "start", "seed": 2}) + "\n")
+    assert packer.pack(exp) == 1 and len(packer.read_packed(exp)) == 7
+    clash = exp / "1gbit-1ms" / "ddp" / "seed2"
+    clash.mkdir(parents=True)
+    (clash / "time_to_target.jsonl").write_text(json.dumps({"event": "start", "seed": 3}) + "\n")
+    with pytest.raises(ValueError, match="packed already"):
+        packer.pack(exp)
+    assert (clash / "time_to_target.jsonl").exists()  # nothing removed
+
+
+def test_bandwidth_grid_reads_a_packed_experiment(tmp_path):
+    """A report whose run folders were packed gives bandwidth_grid the same grid as before (it reads summary.json)."""
+    packer, grid = _script("pack_records"), _script("bandwidth_grid")
+    exp = tmp_path / "words" / "1gbit"
+    _experiment(exp)
+    assert grid.main([str(exp), "--out", str(tmp_path / "before")]) == 0
+    assert packer.pack(exp) == 6 and not (exp / "1gbit-1ms").exists()
+    assert grid.main([str(exp), "--out", str(tmp_path / "after")]) == 0
+    text = (tmp_path / "after" / "grid.md").read_text()
+    assert text == (tmp_path / "before" / "grid.md").read_text() and "| localsgd | 2.00x (2/2) |" in text
+
+
+def test_committed_benchmark_records_are_packed():
+    """docs/benchmarks/time_to_target keeps no per-run record folders: each experiment's are in its
+    records.jsonl.gz (python benchmarks/pack_records.py), and every packed run has its records."""
+    packer = _script("pack_records")
+    root = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "time_to_target"
+    pending = {str(e.relative_to(root)): packer.unpacked(e) for e in packer.experiments(root)}
+    assert not {k: v for k, v in pending.items() if v[0] or v[1]}, "run: python benchmarks/pack_records.py"
+    packs = sorted(root.glob("*/*/records.jsonl.gz"))
+    assert packs and all(run["records"] for p in packs for run in packer.read_packed(p.parent))

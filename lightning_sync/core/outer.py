@@ -25,7 +25,8 @@ inner learning rate nothing changes; under a schedule that lowers it (OneCycle, 
 shrinks with it instead of carrying pseudo-gradients of the high-rate phase into the annealed one. Measured: DiLoCo's
 paper optimizer (lr 0.7, Nesterov 0.9) over SGD with momentum and a per-step OneCycle schedule ended at 0.51 / 0.78
 validation accuracy (seeds 0, 1) against DDP's 0.97 without the scaling, and at 0.953 / 0.961 with it
-(``benchmarks/dropin.py``'s script, 2 ranks, H = 16; README, "DiLoCo").
+(``benchmarks/dropin.py``'s script, 2 ranks, H = 16; docs/strategies/diloco.md, "The outer optimizer on an ordinary
+script").
 
 Here the mean comes from the strategies' all-reduce of the flat parameter buffer (one collective, as for plain
 averaging); :class:`OuterOptimizer` keeps :math:`\theta^{(t-1)}` and the momentum in persistent flat buffers of the
@@ -132,8 +133,8 @@ def auto_outer_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[O
       train SGD with Nesterov momentum inside; α = 1, β = 0.5). DiLoCo's outer step amplifies a steady
       pseudo-gradient :math:`\eta/(1-\mu) = 7` times (Nesterov: :math:`\Delta + \mu b \to 10\Delta`, times 0.7) on
       top of an inner SGD whose own momentum already amplifies its steps tenfold; SlowMo's amplifies 2 times. Measured
-      (README, "DiLoCo and the outer optimizer"): DiLoCo's setting diverged on the words workload (SGD, momentum 0.9,
-      constant rate) where SlowMo's reached the target.
+      (docs/strategies/diloco.md, "The outer optimizer in detail"): DiLoCo's setting diverged on the words workload
+      (SGD, momentum 0.9, constant rate) where SlowMo's reached the target.
 
     ``optimizers`` must not be empty (ValueError).
     """

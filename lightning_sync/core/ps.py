@@ -69,8 +69,8 @@ def worker_momentum_for(worker_momentum: float | str | None, user_momentum: floa
 
     so one worker (:math:`m = 1`) keeps :math:`\mu`, and :math:`\mu = 0.9` becomes 0.75 for 4 workers, 0.45 for
     10 and 0 from 19 on. The slope 1/2 is calibrated, not derived: ``benchmarks/lr_defaults.py`` measured it on
-    the text workload (README, "Learning rates"). ``None`` keeps the user's momentum (the behaviour before); a number in
-    ``[0, 1)`` is used as given.
+    the text workload (docs/guide.md, "Learning rates"). ``None`` keeps the user's momentum (the behaviour before); a
+    number in ``[0, 1)`` is used as given.
     """
     pushers = check_int("pushers", pushers, 1)
     user_momentum = check_real("user_momentum", user_momentum, 0.0, 1.0, high_open=True)
