@@ -166,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
 
         compare_main(args[1:])
         return
+    if args and args[0] == "demo":
+        from lightning_sync.demo import main as demo_main
+
+        demo_main(args[1:])
+        return
     if args and args[0] == "search-switch":
         from lightning_sync.search import main as search_main
 

@@ -55,6 +55,10 @@ def default_strategies() -> str:
 #: name -> (packaged base config, what it is); each config names its target (a TimeToTarget callback), its
 #: evaluation frequency (every epoch, epochs sized by limit_train_batches) and its budget (max_epochs)
 WORKLOADS = {
+    "demo": (
+        "compare_demo.yaml",
+        "the words model, small (5 MB), on 2 processes: a minute a fit at 100 Mbit/s (lightning-sync demo)",
+    ),
     "digits": ("compare_default.yaml", "the demo CNN on scikit-learn's digits: compute-bound, the control"),
     "text": ("compare_text.yaml", "a character Transformer on Python's own help text (perplexity)"),
     "vgg": ("compare_vgg.yaml", "VGG-11-shaped on the digits, the FC head holds the bytes: communication-bound"),
