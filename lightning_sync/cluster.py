@@ -161,9 +161,11 @@ class NamespaceCluster:
         self._previous_handlers.clear()
 
     def existing(self) -> list[str]:
-        """Namespaces with this cluster's prefix that exist right now."""
+        """This cluster's namespaces (its hosts' and its switch's) that exist right now. Matched by exact name:
+        another cluster's prefix may start with this one's (``ls123`` and ``ls1234``, from another process id)."""
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return [line.split()[0] for line in out.splitlines() if line.startswith(self.prefix)]
+        mine = {self.namespace(i) for i in range(self.hosts)} | {f"{self.prefix}sw"}
+        return [name for name in (line.split()[0] for line in out.splitlines() if line.strip()) if name in mine]
 
     # ------------------------------------------------------------------ processes
     def env(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -99,5 +100,9 @@ def test_compare_runs_multi_node_on_the_cluster(tmp_path):
         assert "error" not in rows[name], rows[name]
         assert rows[name]["reached"] == 1 and rows[name]["steps"] == 4  # two hosts, one process each
         assert rows[name]["bytes_per_rank"] > 0  # really synced
+    # no namespace left behind: compare's cluster has the default prefix of this process (names matched exactly, as
+    # another process's prefix may start with this one's)
+    prefix = f"ls{os.getpid() % 100000}"
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert f"ls{__import__('os').getpid() % 100000}" not in out  # no namespace left behind
+    listed = {line.split()[0] for line in out.splitlines() if line.strip()}
+    assert not listed & {f"{prefix}h0", f"{prefix}h1", f"{prefix}sw"}, out

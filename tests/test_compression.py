@@ -7,7 +7,7 @@
 * Four gloo processes (no Lightning): :meth:`Communicator.all_reduce_compressed` bit-identical to the simulation,
   bytes recorded per collective exactly as the formulas say, asynchronous handles in flight during compute, link
   emulation charging the compressed bytes, subgroups and FedAvg-style partial participation.
-* Two Lightning processes: BSP + bf16 trains the embedded default to within 0.5 point of fp32; the strategies' bytes
+* Two Lightning processes: BSP + bf16 trains the embedded default to within 2 points of fp32; the strategies' bytes
   per tag equal the analytic count; the parameter-server strategies with int8.
 """
 
@@ -127,7 +127,10 @@ def test_byte_formula_worked_examples():
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_cast_encoding_is_round_to_nearest(name):
-    x = torch.randn(1000, dtype=torch.float64) * 100
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, dtype=torch.float64, generator=g) * 100
+    # normal numbers only: below 2^-14 (6.1e-5) float16 is subnormal, with less than U relative precision
+    x = x.sign() * x.abs().clamp_min(1e-3)
     fmt = FORMATS[name]
     record = torch.empty(fmt.record_bytes(1000), dtype=torch.uint8)
     encode(fmt, x, record)
@@ -276,7 +279,10 @@ def test_compressor_state_round_trips_and_refuses_another_compression():
 # =============================================================================================== 4 gloo ranks
 WORLD = 4
 NUMEL = 70_001  # not a multiple of N or of the int8 block: padding is exercised and counted
-SLOW = LinkModel(bandwidth="100mbit", latency="5ms")
+#: the asynchronous bf16 all-reduce takes 0.35 s on it (0.17 s for int8): long against a descheduling on a loaded
+#: 2-core machine running 4 ranks and their driver threads (tens of ms)
+SLOW = LinkModel(bandwidth="5mbit", latency="5ms")
+ASYNC_COMPUTE_S = 0.05  # compute while the asynchronous all-reduce is in flight
 
 
 def _comm_worker(rank: int, port: int, out_dir: str) -> None:
@@ -314,12 +320,14 @@ def _comm_worker(rank: int, port: int, out_dir: str) -> None:
         handle = slow.all_reduce_compressed(x, comp, op="avg", tag="async", async_op=True)
         compute_start = time.perf_counter() - launch
         a = torch.randn(200, 200)
-        while time.perf_counter() - launch < 0.02:
+        while time.perf_counter() - launch < ASYNC_COMPUTE_S:
             a = torch.tanh(a @ a.T / 200)
         res["async_completed_during_compute"] = handle.is_completed()
+        checked_s = time.perf_counter() - launch  # the check ran before this
         handle.wait()
         res["async"] = {
             "launch_return_s": compute_start,
+            "checked_s": checked_s,
             "done_s": handle.completed_at - launch,
             "equal_to_blocking": bool(torch.equal(x, y)),
             "blocked_s": slow.stats.blocked_seconds["async"],
@@ -383,9 +391,12 @@ def test_gloo_async_compressed_all_reduce_is_in_flight_during_compute(comm_resul
         a = r["async"]
         assert a["equal_to_blocking"]
         assert a["bytes"] == nbytes and a["blocking"] == 0
-        assert a["launch_return_s"] < emulated / 2  # returned at once
-        assert not r["async_completed_during_compute"]  # 20 ms of compute < the emulated transfer
+        assert a["launch_return_s"] < emulated / 2  # returned at once (a blocking launch takes >= emulated)
         assert a["done_s"] >= emulated
+        # in flight during the compute: a handle is not complete before its emulated transfer is, so a check that
+        # said "complete" returned at least `emulated` after the launch (exact). The check runs at about
+        # ASYNC_COMPUTE_S = 0.05 s, 0.3 s before that: a handle that ignores the emulated link is caught
+        assert not r["async_completed_during_compute"] or a["checked_s"] >= emulated, a
         assert a["blocked_s"] < a["done_s"]  # only what was left after the compute was waited for
 
 
@@ -487,14 +498,29 @@ def strategy_results(tmp_path_factory):
     return run_suite(_strategy_suite, 2, out)
 
 
-def test_bsp_bf16_trains_the_embedded_default_within_a_point_of_fp32(strategy_results):
-    """Median test accuracy over SEEDS seeds: bf16 within one point of fp32. Measured (seeds 0-4): medians 0.986
-    fp32 and 0.984 bf16; one seed's pair differs by up to 2 points, and fp32's own runs span 3.4 points (seed 0's
-    ends at 0.958), so a single seed cannot carry a half-point claim."""
+#: the floor of a median test accuracy on the embedded default (10 classes: chance is 0.10)
+ACC_FLOOR = 0.96
+
+
+def test_bsp_bf16_trains_the_embedded_default_within_two_points_of_fp32(strategy_results):
+    """Median test accuracy over SEEDS seeds: bf16 at most 2 points below fp32, both above ACC_FLOOR.
+
+    The accuracies are the same in every run on one machine (4 runs of this suite gave identical numbers) but
+    depend on the CPU's float kernels: each machine type draws its own trajectories, so the bounds leave room for
+    another draw. Measured on one machine type (seeds 0-4): medians 0.986 fp32 / 0.984 bf16 (an earlier version),
+    0.986 / 0.983 (now: fp32 runs 0.955-0.989, bf16 0.980-0.992). The runs cluster within 1.2 points, except an
+    outlier about 3 points low (fp32 seed 0: 0.958, 0.955), 1 run of 10; a median leaves the cluster only when 3 of
+    its 5 runs do. A per-seed pair differs by up to 2.5 points, so a single seed cannot carry the claim. (1 point
+    is 3.6 of the 359 test images.)
+
+    What fails it: a codec or reduction that breaks training, e.g. bytes that decode to garbage (median 0.10,
+    measured). A cast that keeps only the exponent (low byte or mantissa zeroed) still trains to 0.98-0.99
+    (measured), as SGD tolerates such gradients: the round-to-nearest and error-bound tests above catch that."""
     r = strategy_results[0]
     fp32, bf16, int8 = (statistics.median(r[f"bsp/{c}"]["acc"]) for c in ("None", "bf16", "int8"))
-    assert fp32 > 0.97, r["bsp/None"]["acc"]
-    assert abs(bf16 - fp32) <= 0.01, (r["bsp/None"]["acc"], r["bsp/bf16"]["acc"])
+    assert fp32 > ACC_FLOOR, r["bsp/None"]["acc"]
+    assert bf16 > ACC_FLOOR, r["bsp/bf16"]["acc"]
+    assert bf16 >= fp32 - 0.02, (r["bsp/None"]["acc"], r["bsp/bf16"]["acc"])
     assert int8 > fp32 - 0.02, r["bsp/int8"]["acc"]  # int8 with error feedback: reported, loosely bounded
 
 

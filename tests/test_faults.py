@@ -144,8 +144,12 @@ def _run(case: Case, tmp_path: Path) -> dict:
         exits: dict[int, float] = {}
         while len(exits) < len(procs):
             now = time.time()
-            fault_at = float(mark.read_text()) if mark.exists() and mark.read_text() else None
-            if fault_at is None and any(p.poll() is not None for p in procs):
+            # poll, then read the mark: the faulty rank writes the mark before it exits, so an exit the poll saw
+            # after a fault always finds its mark (read the other way round, a fault and an exit between the read
+            # and the poll looked like an exit before the fault)
+            exited = any(p.poll() is not None for p in procs)
+            fault_at = _read_mark(mark)
+            if fault_at is None and exited:
                 pytest.fail(f"{case.id}: a rank exited before the fault\n{_logs(files)}")
             if fault_at is None and now - start > START_LIMIT_S:
                 pytest.fail(f"{case.id}: no fault injected within {START_LIMIT_S} s\n{_logs(files)}")
@@ -171,6 +175,14 @@ def _run(case: Case, tmp_path: Path) -> dict:
             kill_session(p)
         for f in files:
             f.close()
+
+
+def _read_mark(mark: Path) -> float | None:
+    """The wall-clock time of the fault, or None while it is not (completely) written."""
+    try:
+        return float(mark.read_text())
+    except (FileNotFoundError, ValueError):  # not created yet, or created and not yet written
+        return None
 
 
 def _logs(files) -> str:

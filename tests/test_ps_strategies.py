@@ -218,7 +218,9 @@ def test_fit_hands_back_the_global_model_and_stops_every_server_thread(suite):
     for name in ("asp", "aladdin"):
         assert all(r[name]["agree"] for r in res)
         assert all(r[name]["threads"] == [] for r in res)
-    assert returned_at - max(r["done_at"] for r in res) < 10  # processes exit promptly after their last fit
+    # processes exit promptly after their last fit: interpreter teardown and the join take seconds on a loaded
+    # machine, while a rank held at exit by a peer wait runs into the strategies' 60 s TIMEOUT
+    assert returned_at - max(r["done_at"] for r in res) < 30
 
 
 def test_asp_every_push_answered(suite):
@@ -302,12 +304,14 @@ class _FailsOnRank1(DigitsCNN):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_exception_on_one_rank_ends_all_ranks_with_that_error():
+    # a long strategy timeout, so that a rank left waiting for the failed one (>= 600 s) cannot pass for the prompt
+    # end: spawning 2 workers that import Lightning takes 10-30 s on a loaded 2-core machine
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ASPStrategy(timeout=TIMEOUT, start_method="spawn"),
+        strategy=ASPStrategy(timeout=timedelta(seconds=600), start_method="spawn"),
         max_epochs=1,
         limit_val_batches=0,
         **quiet_trainer_kwargs(),
@@ -315,7 +319,7 @@ def test_exception_on_one_rank_ends_all_ranks_with_that_error():
     start = time.monotonic()
     with pytest.raises(Exception, match="boom on rank 1"):
         trainer.fit(_FailsOnRank1(), DigitsDataModule(batch_size=32))
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 150
 
 
 # ----------------------------------------------------------------------------------------------- rejected at setup

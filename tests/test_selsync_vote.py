@@ -7,9 +7,9 @@ Two CPU processes (torchrun-style, ``tests/launch.py``), several fits in them:
   identical after every sync (``verify_sync``). (Resume with a vote in flight: ``tests/test_resume.py``.)
 * **Off the critical path**: an emulated link of 40 ms latency and a step of ≥ 120 ms of compute (a sleep in the
   model). Exact: every step waits for its vote's round trip (blocked ≥ the latency less the optimizer step the wait
-  overlaps, per step: a lower bound by construction, given an update of under 10 ms). Overlapped: the round trip runs during the next step's compute, so the training thread waits
-  (almost) nothing for it — bounded at a quarter of the latency per step, against the 80 ms of compute left over
-  after the transfer (a margin that scheduling noise on a loaded 2-core machine does not cross; measured below).
+  overlaps, per step: a lower bound by construction, given an update of under 10 ms). Overlapped: the round trip
+  runs during the next step's compute, so the training thread waits (almost) nothing for it — bounded at a quarter
+  of the latency per step, against the 80 ms of compute left over after the transfer (repeats: see the test).
 * **Rules**: overlapped needs parameter aggregation (refused at construction with gradients); the default is
   overlapped with parameters and exact with gradients.
 """

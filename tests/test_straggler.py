@@ -77,7 +77,6 @@ def _fit(straggler: StragglerInjection | None, max_epochs: int = 1, **kwargs: An
 
 
 def test_slows_own_rank_by_factor_of_own_step_time():
-    base = _fit(None)
     cb = StragglerInjection(ranks=0, slowdown=4.0)
     rec = _fit(cb)
     assert cb.batches_seen == cb.slowed_steps == BATCHES
@@ -86,9 +85,10 @@ def test_slows_own_rank_by_factor_of_own_step_time():
     assert cb.measured_seconds >= STEP_S * BATCHES
     assert cb.injected_seconds == pytest.approx(3.0 * cb.measured_seconds)
     assert cb.injected_seconds >= 2.5 * STEP_S * cb.slowed_steps
-    # the fit takes measurably longer: at least 4x the natural step time per batch, and than the baseline
+    # the fit really spends the injected time: the measured steps and the sleeps after them are disjoint parts of
+    # the fit (a sleep lasts at least what was asked), so both are in its wall time (by construction, no margin)
     assert rec.train_s >= 4.0 * STEP_S * BATCHES
-    assert rec.train_s - base.train_s >= 0.5 * cb.injected_seconds
+    assert rec.train_s >= cb.measured_seconds + cb.injected_seconds
 
 
 def test_other_rank_untouched():

@@ -75,7 +75,7 @@ def test_bad_arguments(kwargs, name):
 
 
 def test_short_training_lowers_validation_perplexity():
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # restored after the test (conftest)
     dm = PythonTextDataModule(max_chars=40_000, batch_size=32)
     pl.seed_everything(0)
     model = CharTransformerLM(vocab_size=dm.vocab_size)
@@ -91,7 +91,7 @@ def test_short_training_lowers_validation_perplexity():
 @pytest.mark.parametrize("stage", ["validate", "test"])
 def test_perplexity_is_exp_of_the_mean_token_loss_of_the_whole_evaluation(stage):
     """Not the mean of per-batch exp(loss), which Jensen's inequality makes larger (by 2.4x on the words workload)."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # restored after the test (conftest)
     dm = PythonTextDataModule(max_chars=40_000, batch_size=8)
     pl.seed_everything(0)
     model = CharTransformerLM(vocab_size=dm.vocab_size)
