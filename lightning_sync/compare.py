@@ -96,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--strategies",
         default=None,
         help="comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference (default: ddp and "
-        "every strategy of the pack); NAME+CODEC (bf16, fp16, int8) adds NAME's compressed row, e.g. localsgd+bf16",
+        "every strategy of the pack); NAME+CODEC (bf16, fp16, int8) adds NAME's compressed row, e.g. localsgd+bf16; "
+        "NAME@KEY=VALUE[@...] a row with those arguments, e.g. selsync@vote=exact beside selsync",
     )
     parser.add_argument(
         "--devices", type=int, default=None, help="processes per run (>= 1; default: the config's trainer.devices)"
@@ -213,12 +214,15 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
     strategy_args = parse_strategy_args(args, parser)
     rows: list[Row] = []
     for entry in names:
-        name, _, codec = entry.partition("+")
+        head, *variant = entry.split("@")
+        name, _, codec = head.partition("+")
         key = name.replace("-", "_")
         try:
             default = make_row(name, strategy_args.get(key, []))
             if codec:
                 compress_row(default, codec)
+            if variant:
+                variant_row(default, variant)
         except ValueError as err:  # reported in the table; the other rows still run
             rows.append(Row(label=entry, strategy=name, class_path="", sync_stats=False, error=str(err)))
             continue
@@ -229,6 +233,8 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
                 tuned = make_row(name, strategy_args.get(key, []), recipe=load_recipe(path), lr=lr)
                 if codec:
                     compress_row(tuned, codec)
+                if variant:
+                    variant_row(tuned, variant)
             else:
                 print(
                     f"[compare] no recipe for {default.strategy} on {workload} ({path}): default row only", flush=True
@@ -238,6 +244,19 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
         if tuned is not None:
             rows.append(tuned)
     return rows
+
+
+def variant_row(row: Row, items: list[str]) -> None:
+    """Make ``row`` a variant ``<strategy>@KEY=VALUE[@...]`` (``selsync@vote=exact``): those init arguments for this
+    row only, labelled ``selsync (vote=exact)`` so it sits beside the strategy's other rows in one table."""
+    if row.strategy == REFERENCE:
+        raise ValueError("ddp@KEY=VALUE: the ddp row is Lightning's own DDPStrategy, the reference; it has no variants")
+    for item in items:
+        if "=" not in item or not item.partition("=")[0]:
+            raise ValueError(f"a row variant must look like NAME@KEY=VALUE, e.g. selsync@vote=exact; got @{item!r}")
+    row.cli_args.extend(items)
+    label, tuned = row.label.removesuffix(" (tuned)"), row.label.endswith(" (tuned)")
+    row.label = f"{label} ({', '.join(items)})" + (" (tuned)" if tuned else "")
 
 
 def compress_row(row: Row, codec: str) -> None:

@@ -234,3 +234,13 @@ def test_a_cluster_run_that_fails_on_another_host_says_which_host_and_why(tmp_pa
     assert not result.ok
     assert result.error == "run.host1.log: host 1 broke", result.error
     assert (tmp_path / "run" / "run.log").read_text().strip() == "host 0 ok"
+
+
+def test_a_row_variant_runs_a_strategy_with_other_arguments_beside_its_default_row():
+    from lightning_sync.compare import build_rows, parse_args
+
+    args, _, parser = parse_args(["--strategies", "ddp,selsync,selsync+bf16@vote=exact@window=5,ddp@x=1,bsp@nokey"])
+    rows = build_rows(args, "words", 0.1, parser)
+    assert [r.label for r in rows] == ["ddp", "selsync", "selsync+bf16 (vote=exact, window=5)", "ddp@x=1", "bsp@nokey"]
+    assert rows[2].cli_args == ["compression=bf16", "vote=exact", "window=5"] and not rows[1].cli_args
+    assert "the reference; it has no variants" in rows[3].error and "NAME@KEY=VALUE" in rows[4].error
