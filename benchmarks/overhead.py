@@ -31,6 +31,16 @@ same noise; the ratio of median step times is printed per repeat. The two pariti
 steps' 0.92, medians per parity), so the runs alternate which parity is SelSync's; with an even ``--repeats`` the
 median and geometric mean over runs cancel it, and the median per parity is printed. Goal: <= 1.02.
 
+Part 4 — SelSync's step that does not sync vs a step with no collective at all (issue 51: Part 2's "plain" step
+still pays the per-step SIGTERM all-reduce that SelSync folds into its vote, so it hid the vote's round trip). Blocks
+of ``--steps`` steps of three strategies, in a rotating order over ``--repeats`` repeats: local SGD with a period
+longer than the run (its local step has no collective: the reference), SelSync with ``delta=inf`` (never syncs) in
+Alg. 1's vote order (``vote="exact"``: every step waits for its vote's round trip) and in the overlapped order
+(``vote="overlapped"``, the default: a vote is read one step later). Each without link emulation and under an
+emulated 1 ms latency (``LinkModel("100gbit", "1ms")``: the vote's bytes take no time, its round trip 1 ms). Printed:
+median step time per block, each SelSync row over the local-SGD block of the same repeat, and the median over
+repeats. Goal: the overlapped step <= 1.03x the collective-free step, on CPU and GPU, with and without latency.
+
 Part 3 (``cpu`` only) — one epoch under ``LinkModel("1gbit", "1ms")``: BSP (25 MiB buckets, 1 MiB buckets, no
 overlap) and SelSync(0.3): bytes sent per rank, seconds blocked in communication, epoch wall time, on the demo CNN
 (~38k parameters) and on WideMLP (~4.3M parameters, 17 MB: communication-heavy).
@@ -223,7 +233,7 @@ def _worker(
     from lightning_sync import BSPStrategy, LinkModel, SelSyncStrategy
 
     backend = _placement(setup)["backend"]
-    res: dict[str, Any] = {"setup": setup, "models": models, "parts": parts}
+    res: dict[str, Any] = {"setup": setup, "models": models, "parts": parts, "steps_total": warmup + steps + 1}
     if torch.cuda.is_available() and setup != "cpu":
         res["device"] = torch.cuda.get_device_name(0)
 
@@ -259,7 +269,7 @@ def _worker(
     for model_name in models if 2 in parts else ():
         blocks = []
         for r in range(repeats):
-            strategy = toggle(delta=float("inf"), process_group_backend=backend)
+            strategy = toggle(delta=float("inf"), vote="exact", process_group_backend=backend)  # as measured before
             strategy.host_s = {}
             strategy.selsync_on_odd = r % 2 == 1  # cancels the parities' own difference over pairs of runs
             strategy.control = control
@@ -280,6 +290,35 @@ def _worker(
                 }
             )
         res[f"selsync_local/{model_name}"] = blocks
+
+    # Part 4: SelSync's non-sync step (exact and overlapped vote) vs local SGD's step, which has no collective
+    from lightning_sync import LocalSGDStrategy
+
+    kinds = {
+        "local": lambda link: LocalSGDStrategy(period=10**9, process_group_backend=backend, link=link),
+        "exact": lambda link: SelSyncStrategy(
+            delta=float("inf"), vote="exact", process_group_backend=backend, link=link
+        ),
+        "overlapped": lambda link: SelSyncStrategy(
+            delta=float("inf"), vote="overlapped", process_group_backend=backend, link=link
+        ),
+    }
+    for model_name in models if 4 in parts else ():
+        for link_name, link in (("none", None), ("1ms", LinkModel("100gbit", "1ms"))):
+            rows = []
+            for r in range(repeats):
+                order = list(kinds)[r % 3 :] + list(kinds)[: r % 3]  # every kind first, second and third in turn
+                row: dict[str, Any] = {"order": order}
+                for kind in order:
+                    strategy = kinds[kind](link)
+                    timer = StepTimer(warmup)
+                    run(strategy, model_name, timer, max_steps=warmup + steps + 1, max_epochs=-1)
+                    row[kind] = statistics.median(timer.times["all"])
+                    row[f"{kind}_cpu"] = statistics.median(timer.cpu["all"])
+                    row[f"{kind}_syncs"] = strategy.step_counter.sync_steps
+                    row[f"{kind}_vote_blocked_s"] = strategy.comm_stats.blocked_seconds.get("vote", 0.0)
+                rows.append(row)
+            res[f"selsync_free/{model_name}/{link_name}"] = rows
 
     # Part 3 (CPU): one epoch on an emulated 1 Gbit/s, 1 ms link
     if setup == "cpu" and 3 in parts:
@@ -384,6 +423,34 @@ def _report(r0: dict[str, Any]) -> None:
                 "host time of the strategy's own calls per step, median over runs of the per-run medians: "
                 + "; ".join(f"{k} {statistics.median(h[k] for h in hosts):.0f} us" for k in sorted(hosts[0]))
             )
+    for model_name in r0["models"] if 4 in parts else ():
+        for link_name in ("none", "1ms"):
+            rows = r0[f"selsync_free/{model_name}/{link_name}"]
+            latency = "no link emulation" if link_name == "none" else "an emulated 1 ms latency"
+            print(
+                f"\n## Part 4: SelSync step that does not sync vs a step with no collective (local SGD), "
+                f"{model_name}, {where}, {latency}"
+            )
+            print(
+                "| repeat | order | local SGD ms | SelSync exact ms | exact / local | SelSync overlapped ms "
+                "| overlapped / local | vote blocked per step, exact / overlapped (us) |"
+            )
+            print("|---:|---|---:|---:|---:|---:|---:|---:|")
+            exact, overlapped = [], []
+            for i, row in enumerate(rows):
+                exact.append(row["exact"] / row["local"])
+                overlapped.append(row["overlapped"] / row["local"])
+                print(
+                    f"| {i + 1} | {', '.join(row['order'])} | {row['local'] * 1e3:.3f} | {row['exact'] * 1e3:.3f} "
+                    f"| {exact[-1]:.3f} | {row['overlapped'] * 1e3:.3f} | {overlapped[-1]:.3f} "
+                    f"| {row['exact_vote_blocked_s'] * 1e6 / r0['steps_total']:.0f} / "
+                    f"{row['overlapped_vote_blocked_s'] * 1e6 / r0['steps_total']:.0f} |"
+                )
+            print(
+                f"median over repeats ({model_name}, {setup}, {link_name}): exact / local "
+                f"{statistics.median(exact):.3f}, overlapped / local {statistics.median(overlapped):.3f}   "
+                "(goal for overlapped: <= 1.03; vote blocked time: per step of the run, warm-up included)"
+            )
     if setup == "cpu" and 3 in parts:
         print("\n## Part 3: one epoch at an emulated 1 Gbit/s, 1 ms link (rank 0; DistributedSampler)")
         print("| model | params | strategy | steps | LSSR | bytes sent / rank | blocked s | epoch s |")
@@ -411,7 +478,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per block (part 2: of each kind)")
     parser.add_argument("--warmup", type=int, default=20, help="steps not measured at the start of each block")
     parser.add_argument("--repeats", type=int, default=6, help="blocks per strategy (part 1), runs (part 2)")
-    parser.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1 or 1,2")
+    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, e.g. 1 or 1,2")
     parser.add_argument(
         "--control", action="store_true", help="part 2 as an A/A run: SelSync's steps plain too (the parities' bias)"
     )
