@@ -10,9 +10,11 @@ accuracy, SGD with Nesterov momentum and a per-step OneCycleLR, gradient clippin
   at setup with the reason (OSP: clipping; the parameter-server strategies: mid-epoch validation — each then runs with
   the change its message names); validation accuracy at defaults within 3 points of Lightning's ``ddp``; predict
   returns predictions; the resume starts at the checkpoint's epoch and step; during validation every rank evaluates
-  the same model and afterwards each rank's own replica is back bit-exactly; a per-step ``sync_dist`` log under the
-  asynchronous strategies warns once and does not stop the run. SelSync(``delta="auto"``) resumed from a checkpoint
-  taken with the global model swapped in ends bit-identical to the uninterrupted run.
+  the same model and afterwards each rank's own replica is back bit-exactly (where the strategy took a training
+  sync at validation's start, SelSync's overlapped vote, training continues from the synced model validation saw);
+  a per-step ``sync_dist`` log under the asynchronous strategies warns once and does not stop the run.
+  SelSync(``delta="auto"``) resumed from a checkpoint taken with the global model swapped in ends bit-identical to the
+  uninterrupted run.
 * **Launched by Lightning**, once each: ``"selsync"`` re-runs the script (popen, a subprocess here: a popen launch
   from pytest would run pytest again), and the launching process is rank 0; ``"aladdin_spawn"`` from pytest, and the
   launching process reads what rank 0 had after fit (steps, epochs, callback state, the strategy's metrics).
@@ -68,6 +70,12 @@ def _digest(module: torch.nn.Module) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- worker side
+def _sync_steps(trainer: Any) -> int | None:
+    """The strategy's count of synchronised steps, where it keeps one (``None`` elsewhere)."""
+    counter = getattr(trainer.strategy, "step_counter", None)
+    return None if counter is None else counter.sync_steps
+
+
 def _probe_class() -> Any:
     import lightning.pytorch as pl
 
@@ -78,15 +86,21 @@ def _probe_class() -> Any:
             self.during: list[str] = []
             self.restored: list[bool] = []
             self._before: str | None = None
+            self._syncs: int | None = None
             self.claimed_epochs: list[int] | None = None
 
         def on_validation_start(self, trainer, pl_module):  # callbacks run before the strategy swaps the model in
             if trainer.state.fn == "fit":
                 self._before = _digest(pl_module)
+                self._syncs = _sync_steps(trainer)
 
         def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
             if batch_idx == 0 and trainer.state.fn == "fit":
                 self.during.append(_digest(pl_module))
+                if self._syncs is not None and _sync_steps(trainer) != self._syncs:
+                    # the strategy took a training sync at validation's start (SelSync's overlapped vote read there):
+                    # validation saw the synced model, and training must continue from exactly that model
+                    self._before = self.during[-1]
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self._before is not None:

@@ -77,11 +77,12 @@ def test_a_failed_row_is_reported_and_new_workers_run_the_next(tmp_path, capsys)
 
 def test_a_run_past_the_run_timeout_is_killed_and_the_next_starts(tmp_path):
     out = tmp_path / "out"
-    # the first row trains long enough to pass the timeout; the second is short
+    # both runs are far longer than the timeout on any machine (digits: ~0.06 s an epoch on a 2-core CPU, so 10**5
+    # epochs are well over an hour; 400 epochs, as here before, finished inside the timeout on a faster machine)
     compare_main(
         [
             *GRID[:-2],
-            "--trainer.max_epochs=400",
+            "--trainer.max_epochs=100000",
             "--trainer.limit_train_batches=4",
             "--strategies",
             "ddp",
