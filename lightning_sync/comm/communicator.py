@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sync.comm.accounting import CommStats
+from lightning_sync.comm.accounting import CommStats, LevelStats
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, compressed_allreduce_bytes
 from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
@@ -166,7 +166,11 @@ class Communicator:
     """
 
     def __init__(
-        self, stats: CommStats, link: LinkModel | None = None, group: Any = None, clock: LinkClock | None = None
+        self,
+        stats: CommStats | LevelStats,
+        link: LinkModel | None = None,
+        group: Any = None,
+        clock: LinkClock | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Communicator needs an initialised torch.distributed default process group")
@@ -194,16 +198,24 @@ class Communicator:
         assert comm is not None
         return comm
 
-    def subgroup(self, ranks: Sequence[int], backend: str | None = None) -> Communicator | None:
+    def subgroup(
+        self, ranks: Sequence[int], backend: str | None = None, level: str | None = None, link: LinkModel | None = None
+    ) -> Communicator | None:
         """A communicator over ``ranks`` (global ranks, same accounting and link); ``None`` on the other ranks.
         Every rank of the world calls this at the same point with the same ``ranks`` (group creation is collective
-        over the world; gloo hangs when only the members create groups in different orders)."""
+        over the world; gloo hangs when only the members create groups in different orders).
+
+        ``level`` (e.g. ``"intra"``: the ranks of one replica group) makes it a communicator of another network
+        level: its operations are recorded in the same totals under ``"<level>/<tag>"`` and emulated on ``link``
+        with a clock of their own (``None``: not emulated) instead of this communicator's link."""
         members = sorted(set(ranks))
         # new_group's default timeout is torch's (30 min), not the one the default group was given
         group = dist.new_group(ranks=members, backend=backend or self.backend, timeout=default_timeout())
-        return (
-            Communicator(self.stats, self.link, group=group, clock=self.clock) if dist.get_rank() in members else None
-        )
+        if dist.get_rank() not in members:
+            return None
+        if level is None:
+            return Communicator(self.stats, self.link, group=group, clock=self.clock)
+        return Communicator(self.stats.level(level), link, group=group)
 
     def destroy(self) -> None:
         """Destroy this communicator's own group (never the default group), and its driver's."""
@@ -219,6 +231,10 @@ class Communicator:
             driver.close()
 
     # ------------------------------------------------------------------ internals
+    def _src(self, src: int) -> dict[str, int]:
+        """A broadcast's source: the global rank over the default group, the rank in the group over a subgroup."""
+        return {"src": src} if self.group is None else {"group_src": src}
+
     def _emulate(self, nbytes: int) -> None:
         """A real collective has returned: wait for the device, then for its emulated transfer (sharing this rank's
         link with any transfer in flight)."""
@@ -395,14 +411,15 @@ class Communicator:
         return CommHandle(driver.submit(run), self.stats, tag, what=f"asynchronous {what}")
 
     def broadcast(self, tensor: Tensor, src: int = 0, tag: str = "other") -> None:
-        """Blocking broadcast. Every rank's emulated delay is charged on the payload: each rank receives or
-        sends it at least once, whatever its share of the tree's sends."""
+        """Blocking broadcast from ``src``, a rank of this communicator's group (the global rank over the default
+        group). Every rank's emulated delay is charged on the payload: each rank receives or sends it at least once,
+        whatever its share of the tree's sends."""
         payload = tensor.numel() * tensor.element_size()
         self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
             with failures(f"broadcast ({tag})"):
-                dist.broadcast(tensor, src=src, group=self.group)
+                dist.broadcast(tensor, group=self.group, **self._src(src))
         self._finish_blocking(tag, start, payload if self.world_size > 1 else 0)
 
     def all_gather(self, tensor: Tensor, tag: str = "other") -> Tensor:
@@ -452,7 +469,7 @@ class Communicator:
         box = [obj]
         if self.world_size > 1:
             with failures(f"broadcast_object ({tag})"):
-                dist.broadcast_object_list(box, src=src, group=self.group)
+                dist.broadcast_object_list(box, group=self.group, **self._src(src))
         payload = len(pickle.dumps(box[0])) + 8 if self.world_size > 1 else 0
         self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
         self._finish_blocking(tag, start, payload)
