@@ -1220,5 +1220,24 @@ def test_parameter_server_strategy_with_timeout_none_sets_up(single_process):
     assert trainer.global_step == 2
 
 
+@pytest.mark.filterwarnings("ignore:.*runs with world size 1")
+def test_replica_groups_that_the_topology_cannot_make_are_refused_at_setup(single_process):
+    """``replica_size`` must divide the world size, and ``intra_link`` needs replica groups of more than one rank
+    (``"node"`` on one device per node makes each rank its own replica): refused at setup, before any collective,
+    saying why and what to use instead. ``"node"`` with one device trains as flat."""
+
+    def fit(strategy: SyncStrategy) -> pl.Trainer:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, **quiet_trainer_kwargs())
+        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=8))
+        return trainer
+
+    with pytest.raises(ValueError, match=r"replica_size must divide the world size 1 .*use a divisor of 1, 'node'"):
+        fit(LocalSGDStrategy(replica_size=2))
+    with pytest.raises(ValueError, match=r"intra_link emulates the link inside a replica group.*Set replica_size"):
+        fit(SelSyncStrategy(replica_size="node", intra_link="10gbit"))
+    trainer = fit(LocalSGDStrategy(replica_size="node"))
+    assert trainer.global_step == 1 and trainer.strategy.ranks_per_replica == 1
+
+
 if __name__ == "__main__":
     print(render_matrix_markdown())

@@ -155,6 +155,13 @@ class SyncStrategy(
 
     Set :attr:`replicas_diverge`, :attr:`carries_sigterm`, :attr:`supports_accumulation` and :attr:`averages_for_eval`
     to match the method; with compression, :meth:`_averages_state` says whether it averages parameters.
+
+    **Replica groups** (``replica_size``, :mod:`~lightning_sync.strategies.replicas`): the base averages the gradients
+    inside each replica before :meth:`_after_backward`, and :meth:`average_state` / :meth:`average_grads` then average
+    the replicas. A method that runs grouped counts replicas, not ranks (:attr:`num_replicas`,
+    :attr:`replica_index`; ``participants`` are replica indices) and sends any other value with one value per
+    replica through ``_all_reduce_over_replicas`` / ``_average_over_replicas``; one that cannot sets
+    :attr:`replica_groups_refusal` to the reason (``replica_size`` is then refused at construction).
     :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example (walked through in
     ``docs/architecture.md``, with the life of one step).
     """

@@ -205,7 +205,3 @@ class ReplicaGroups:
         if self._inter is not None:
             self._inter.all_reduce(tensor, op=op, tag=tag)
         self._share_in_replica([tensor], tag)
-
-    def _replica_groups_state(self) -> dict[str, Any]:
-        """What a checkpoint records about the grouping (a resume must use the same)."""
-        return {"ranks_per_replica": self.ranks_per_replica}
