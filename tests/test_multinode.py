@@ -169,7 +169,7 @@ def test_aladdin_every_rank_trains_and_pushes_and_the_global_model_is_finite(job
 def test_replica_size_node_makes_each_host_a_replica_whose_traffic_stays_off_the_link(job):
     """``replica_size="node"`` on 2 nodes x 2 devices: each host's two ranks are one replica (exact gradient average
     every step over the host's loopback), the hosts' first ranks average between them. What each host's veth link
-    sent (the kernel's counter) covers the syncs between hosts and stays well below what its ranks sent inside the
+    sent (the kernel's counter) covers the syncs between hosts and stays below what its ranks sent inside the
     replica: the traffic inside a host never crossed the link."""
     res = job["res"]
     numel = _numel()
@@ -188,7 +188,9 @@ def test_replica_size_node_makes_each_host_a_replica_whose_traffic_stays_off_the
         leader = res[host * PROCS]["grouped"]
         inside = sum(res[host * PROCS + i]["grouped"]["metrics"]["bytes_intra"] for i in range(PROCS))
         sent = leader["veth_tx_bytes"]
-        assert leader["metrics"]["bytes_params"] + leader["metrics"]["bytes_final"] <= sent < inside / 2
+        # measured: host 0 sent 0.8 MB (the syncs, rank 0's setup broadcast, TCP/IP), its ranks 2.3 MB inside;
+        # had that crossed the link, the host would have sent over 3 MB
+        assert leader["metrics"]["bytes_params"] + leader["metrics"]["bytes_final"] <= sent < inside
 
 
 @needs_cluster
