@@ -155,6 +155,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "no emulation; replica_size=node makes each host a replica)",
     )
     parser.add_argument(
+        "--accelerator",
+        choices=["cpu", "gpu"],
+        default=None,
+        help="where each run's ranks train (default: the config's trainer.accelerator). gpu: with a GPU per rank, "
+        "one each over NCCL; with fewer GPUs than ranks, every rank on GPU 0 over gloo, as one-GPU nodes on one "
+        "machine (WORLD_SIZE ranks, NODE_RANK=r, LOCAL_RANK=0; --gpu-layout)",
+    )
+    parser.add_argument(
+        "--gpu-layout",
+        choices=["auto", "per-rank", "shared"],
+        default="auto",
+        help="with --accelerator gpu: 'per-rank' (a GPU each, NCCL), 'shared' (all ranks on GPU 0, gloo, as one-GPU "
+        "nodes), 'auto' (per-rank when there are as many GPUs as ranks, else shared)",
+    )
+    parser.add_argument(
         "--workers",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -188,6 +203,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error("--run-timeout must be > 0 seconds")
     if args.cluster and args.link:
         parser.error("--cluster runs on kernel rate-limited links; --link would emulate another link on top of them")
+    if args.accelerator == "gpu" and args.cluster:
+        parser.error("--accelerator gpu with --cluster: the namespace cluster is a CPU harness (one process per host)")
+    if args.accelerator == "gpu" and not args.workers:
+        parser.error(
+            "--accelerator gpu runs in worker processes (the one-GPU-node layout needs them): drop --no-workers"
+        )
     if args.recipes and not (Path(args.recipes_dir) / args.workload).is_dir():
         # a missing folder is a wrong place (the default is relative to the current directory), not "no recipes":
         # running the default rows under a tuned table's name would be a silently wrong table
@@ -323,6 +344,8 @@ class Grid:
     cluster: Any = None
     procs_per_host: int = 1  #: processes on every host of the cluster (Trainer devices; num_nodes = hosts)
     workers: bool = True  #: run in worker processes started once (not on a cluster): benchmark/workers.py
+    accelerator: str | None = None  #: "gpu": every rank on a GPU (see ``shared_gpu``); None: the config's
+    shared_gpu: bool = False  #: every rank on GPU 0 over gloo, as one-GPU nodes on one machine
 
 
 def plan_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[PlannedRun]:
@@ -342,7 +365,7 @@ def plan_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row])
                     planned.append(PlannedRun(result, [], progress))
                     continue
                 run_dir.mkdir(parents=True, exist_ok=True)
-                over = overlay(grid.config, row, seed, run_dir, grid.devices, link, grid.target, grid.stop)
+                over = place(grid, overlay(grid.config, row, seed, run_dir, grid.devices, link, grid.target, grid.stop))
                 overlay_path = run_dir / "overlay.yaml"
                 overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
                 cmd = build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)
@@ -358,10 +381,27 @@ def warmup_args(grid: Grid, groups: list[tuple[str, str | None]]) -> list[str]:
     row = make_row(REFERENCE)
     run_dir = grid.out / "workers" / "warmup"
     run_dir.mkdir(parents=True, exist_ok=True)
-    over = overlay(grid.config, row, grid.seeds[0], run_dir, grid.devices, groups[0][1], grid.target, False)
+    over = place(
+        grid, overlay(grid.config, row, grid.seeds[0], run_dir, grid.devices, groups[0][1], grid.target, False)
+    )
     overlay_path = run_dir / "overlay.yaml"
     overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
     return build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)[3:] + list(WARMUP_ARGS)
+
+
+def place(grid: Grid, over: dict[str, Any]) -> dict[str, Any]:
+    """A run's overlay with ``--accelerator``: ``gpu`` with a GPU per rank as it is (Lightning's NCCL); with the ranks
+    sharing GPU 0, each rank a one-GPU node (``devices=1``, ``num_nodes`` = ranks) over gloo, which carries CUDA
+    tensors (the layout ``tests/test_gpu.py`` and ``benchmarks/overhead.py`` use on a one-GPU machine)."""
+    if grid.accelerator is None:
+        return over
+    trainer = over["trainer"]
+    trainer["accelerator"] = grid.accelerator
+    if grid.shared_gpu:
+        trainer["devices"], trainer["num_nodes"] = 1, grid.devices
+        init_args = trainer["strategy"].setdefault("init_args", {})
+        init_args["process_group_backend"] = "gloo"
+    return over
 
 
 def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[RunResult]:
@@ -371,7 +411,9 @@ def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) 
     clock_start = time.perf_counter()
     planned = plan_grid(grid, groups, rows)
     if grid.workers and grid.cluster is None:
-        return run_in_workers(planned, grid.devices, grid.out, warmup_args(grid, groups), grid.run_timeout, clock_start)
+        return run_in_workers(
+            planned, grid.devices, grid.out, warmup_args(grid, groups), grid.run_timeout, clock_start, grid.shared_gpu
+        )
     results: list[RunResult] = []
     for p in planned:
         if not p.args:
@@ -418,7 +460,21 @@ def prepare(args: argparse.Namespace, extra: list[str], parser: argparse.Argumen
         stop=not args.no_stop,
         run_timeout=args.run_timeout,
         workers=args.workers,
+        accelerator=args.accelerator,
+        shared_gpu=args.accelerator == "gpu" and _shared_gpu(args.gpu_layout, args.devices, parser),
     )
+
+
+def _shared_gpu(layout: str, devices: int, parser: argparse.ArgumentParser) -> bool:
+    """Whether the ranks share GPU 0 (over gloo) rather than one GPU each (NCCL)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        parser.error("--accelerator gpu: no CUDA GPU on this machine")
+    if layout == "per-rank" and gpus < devices:
+        parser.error(f"--gpu-layout per-rank needs a GPU per rank: {devices} ranks, {gpus} GPU(s); use shared")
+    return layout == "shared" or (layout == "auto" and gpus < devices)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

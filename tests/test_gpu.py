@@ -275,3 +275,37 @@ def test_two_ranks_over_nccl(tmp_path):
     for name in ("bsp", *COMPRESSED):
         assert res[0][name]["checksum"] == res[1][name]["checksum"]
     assert res[0]["bsp+bf16"]["bytes"] < 0.6 * res[0]["bsp"]["bytes"]
+
+
+def test_compare_runs_its_rows_on_the_gpu(tmp_path):
+    """``lightning-sync compare --accelerator gpu``: on a one-GPU machine the two ranks share GPU 0 over gloo as
+    one-GPU nodes, with a GPU per rank over NCCL; every row trains and is reported."""
+    from lightning_sync.compare import main as compare_main
+
+    result = compare_main(
+        [
+            "--workload",
+            "digits",
+            "--devices",
+            "2",
+            "--accelerator",
+            "gpu",
+            "--strategies",
+            "ddp,bsp,localsgd+bf16,selsync",
+            "--seeds",
+            "1",
+            "--link",
+            "1gbit,1ms",
+            "--target",
+            "0.3",
+            "--out",
+            str(tmp_path),
+            "--trainer.max_epochs=2",
+            "--trainer.limit_train_batches=4",
+        ]
+    )
+    table = {r["method"]: r for r in result["tables"]["1gbit,1ms"]}
+    assert list(table) == ["ddp", "bsp", "localsgd+bf16", "selsync"]
+    assert all(r["runs"] == 1 and not r.get("error") for r in table.values()), table
+    overlay = (tmp_path / "1gbit-1ms" / "bsp" / "seed0" / "overlay.yaml").read_text()
+    assert "accelerator: gpu" in overlay

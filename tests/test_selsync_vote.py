@@ -4,7 +4,8 @@ Two CPU processes (torchrun-style, ``tests/launch.py``), several fits in them:
 
 * **Which step syncs**: with δ = 0 every vote asks for a sync. Exact: every step syncs (BSP's trajectory). Overlapped:
   step k's vote decides after step k+1's update, so the first step is local and every later step syncs; replicas
-  identical after every sync (``verify_sync``). (Resume with a vote in flight: ``tests/test_resume.py``.)
+  identical after every sync (``verify_sync``). (Resume with a vote in flight: ``tests/test_resume.py``.) Validation
+  during fit reads the vote in flight and takes the sync it asks for before validating.
 * **Off the critical path**: an emulated link of 40 ms latency and a step of ≥ 120 ms of compute (a sleep in the
   model). Exact: every step waits for its vote's round trip (blocked ≥ the latency less the optimizer step the wait
   overlaps, per step: a lower bound by construction, given an update of under 10 ms). Overlapped: the round trip
@@ -64,6 +65,24 @@ def _suite(rank: int, out_dir: str) -> None:
             self.synced.append(trainer.strategy.step_counter.sync_steps > sum(self.synced))
 
     res: dict[str, Any] = {}
+    # validation after every step (one batch): the overlapped vote in flight is read there and its sync taken before
+    # validation, so every step syncs (delta=0) and validation never averages for evaluation
+    steps = Steps()
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=SelSyncStrategy(delta=0.0, vote="overlapped", verify_sync=True),
+        max_steps=STEPS,
+        val_check_interval=1,
+        limit_val_batches=1,
+        callbacks=[steps],
+        **quiet_trainer_kwargs(),
+    )
+    trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+    metrics = trainer.strategy.sync_metrics()
+    res["validated/synced"] = [trainer.strategy.step_counter.sync_steps, trainer.strategy.step_counter.local_steps]
+    res["validated/bytes"] = [metrics.get("bytes_eval", 0.0), metrics.get("bytes_params", 0.0)]
     for vote in ("exact", "overlapped"):
         # which steps sync: delta=0 asks for a sync at every vote
         steps = Steps()
@@ -105,6 +124,13 @@ def test_exact_syncs_the_step_that_voted_overlapped_the_next_one(suite):
         assert r["exact/synced"] == [True] * STEPS  # delta=0: BSP's steps
         assert r["overlapped/synced"] == [False] + [True] * (STEPS - 1)  # step 1's vote decides after step 2
         assert r["exact/vote_ops"] == r["overlapped/vote_ops"] == STEPS  # one vote a step, in both
+
+
+def test_validation_reads_the_vote_in_flight_and_takes_its_sync_first(suite):
+    for r in suite:
+        assert r["validated/synced"] == [STEPS, 0]  # each step's sync taken at the validation after it
+        bytes_eval, bytes_params = r["validated/bytes"]
+        assert bytes_eval == 0.0 and bytes_params > 0  # validation right after a sync averages nothing
 
 
 def test_a_local_step_waits_for_its_vote_only_in_the_exact_order(suite):

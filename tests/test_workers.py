@@ -98,3 +98,31 @@ def test_a_run_past_the_run_timeout_is_killed_and_the_next_starts(tmp_path):
     assert [r["killed"] for r in runs] == ["True", "True"]  # each killed, the second in new workers
     assert all(r["error"].startswith("stopped after the run timeout") for r in runs)
     assert all(read_records(Path(r["run_dir"]) / "time_to_target.jsonl") for r in runs)  # what it recorded counts
+
+
+def test_ranks_laid_out_as_one_device_nodes_train_what_one_node_of_ranks_trains(tmp_path):
+    """``--accelerator gpu`` on a one-GPU machine lays the ranks out as one-device nodes (``NODE_RANK=r``,
+    ``LOCAL_RANK=0``, ``devices=1``, ``num_nodes`` = ranks, gloo). The same layout on the CPU trains what the ranks of
+    one node train: the same first batch, steps and metric values."""
+    from lightning_sync.compare import build_rows, parse_args, prepare, run_grid, write_report
+
+    def grid_of(name: str, nodes: bool):
+        args, extra, parser = parse_args([*GRID, "--strategies", "ddp,localsgd", "--out", str(tmp_path / name)])
+        grid = prepare(args, extra, parser)
+        if nodes:
+            grid.accelerator, grid.shared_gpu = "cpu", True
+        rows = build_rows(args, args.workload, None, parser)
+        results = run_grid(grid, [("none", None)], rows)
+        write_report(grid.out, [("none", None)], [r.label for r in rows], results, grid.target, "test", "test")
+        return grid
+
+    grid_of("local", nodes=False)
+    grid = grid_of("nodes", nodes=True)
+    overlay = (grid.out / "none" / "localsgd" / "seed0" / "overlay.yaml").read_text()
+    assert "num_nodes: 2" in overlay and "devices: 1" in overlay and "process_group_backend: gloo" in overlay
+    for row in ("ddp", "localsgd"):
+        one_node = _trajectory(tmp_path / "local" / "none" / row / "seed0")
+        as_nodes = _trajectory(tmp_path / "nodes" / "none" / row / "seed0")
+        assert len(one_node) == 3 and [t[:2] if isinstance(t, tuple) else t for t in one_node] == [
+            t[:2] if isinstance(t, tuple) else t for t in as_nodes
+        ], row  # bytes may differ by the folder name's length (broadcast): steps and values must not

@@ -99,7 +99,9 @@ def worker_main(plan_path: str, start: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- parent side
-def _start_workers(plan_path: Path, start: int, devices: int, logs: Path) -> list[subprocess.Popen]:
+def _start_workers(plan_path: Path, start: int, devices: int, logs: Path, nodes: bool) -> list[subprocess.Popen]:
+    """``devices`` worker processes, torchrun-style; ``nodes``: each a one-device node of its own (``NODE_RANK=r``,
+    ``LOCAL_RANK=0``: the ranks sharing GPU 0), else one node of ``devices`` local ranks."""
     from lightning_sync.launch import free_port
 
     port = free_port()
@@ -111,8 +113,8 @@ def _start_workers(plan_path: Path, start: int, devices: int, logs: Path) -> lis
             MASTER_PORT=str(port),
             WORLD_SIZE=str(devices),
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
+            LOCAL_RANK="0" if nodes else str(rank),
+            NODE_RANK=str(rank) if nodes else "0",
             PYTHONUNBUFFERED="1",
         )
         cmd = [sys.executable, "-m", "lightning_sync.benchmark.workers", str(plan_path), str(start)]
@@ -133,10 +135,12 @@ def run_in_workers(
     warmup_args: list[str] | None,
     run_timeout: float | None = None,
     clock_start: float | None = None,
+    nodes: bool = False,
 ) -> list[RunResult]:
     """Run ``planned`` in ``devices`` worker processes started once (again after a failure or a timeout); return
     the results in plan order. ``warmup_args``: the untimed warm-up fit every worker start begins with (``None``:
-    none). Prints a progress line per run with the total wall time so far (from ``clock_start``)."""
+    none). Prints a progress line per run with the total wall time so far (from ``clock_start``). ``nodes``: each
+    worker a one-device node (``NODE_RANK=r``, ``LOCAL_RANK=0``), as ranks sharing one GPU are laid out."""
     from lightning_sync.launch import kill_session
 
     clock_start = time.perf_counter() if clock_start is None else clock_start
@@ -152,7 +156,7 @@ def run_in_workers(
             print(f"[compare] {p.progress}: FAILED ({p.result.error})", flush=True)
             index += 1
             continue
-        procs = _start_workers(plan_path, index, devices, logs)
+        procs = _start_workers(plan_path, index, devices, logs, nodes)
         index = _follow(procs, planned, index, logs, run_timeout, clock_start)
         for proc in procs:
             kill_session(proc)

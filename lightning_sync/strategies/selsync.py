@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
@@ -356,6 +357,27 @@ class SelSyncStrategy(SyncStrategy):
         if self._in_flight is not None and self._in_flight.values is None:
             self._in_flight.handle.wait()  # type: ignore[union-attr]
             self._in_flight.values = self._in_flight.buffer.tolist()
+
+    def on_validation_start(self) -> None:
+        self._settle_before_validation()
+        super().on_validation_start()
+
+    def _settle_before_validation(self) -> None:
+        """``vote="overlapped"``: validation during fit is a step boundary every rank reaches together, so the vote in
+        flight (the last step's) is read there and, if it asks for a sync, the replicas are averaged before validation
+        — as Alg. 1's order averages them after that step — instead of after the next step. Validation then sees the
+        model right after the sync (no averaging for evaluation when it synced) and the last step counts as synced.
+        A SIGTERM it carries stops every rank after the next step's update."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.vote != "overlapped" or self._in_flight is None or trainer is None:
+            return
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        vote, self._in_flight = self._in_flight, None
+        if self._resolve_vote(vote) and not self._in_sync:
+            self.average_state(tag="params")
+            self.step_counter.local_steps -= 1  # the last step, recorded local at its update, synced after all
+            self.step_counter.sync_steps += 1
 
     def on_train_end(self) -> None:
         # the last step's vote would decide a step that never comes: wait for it (nothing left in flight), drop it
