@@ -148,9 +148,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument(
         "--cluster",
         default=None,
-        metavar="HOSTSxRATE",
-        help="run on a namespace cluster of HOSTS hosts with kernel rate-limited links, e.g. 4x1gbit (root, Linux; "
-        "one process per host, --devices ignored; every method, ddp included, runs as it is: no emulation)",
+        metavar="HOSTS[xPROCS]xRATE",
+        help="run on a namespace cluster of HOSTS hosts with kernel rate-limited links, e.g. 4x1gbit, each host "
+        "running PROCS processes (default 1) that talk over its loopback, e.g. 2x2x1gbit: 2 nodes of 2 devices, "
+        "the link between hosts only (root, Linux; --devices ignored; every method, ddp included, runs as it is: "
+        "no emulation; replica_size=node makes each host a replica)",
     )
     parser.add_argument(
         "--accelerator",
@@ -216,6 +218,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
             f"to the folder that holds {args.workload}/<strategy>.yaml"
         )
     return args, extra, parser
+
+
+def parse_cluster(spec: str, parser: argparse.ArgumentParser) -> tuple[int, int, str]:
+    """``--cluster HOSTS[xPROCS]xRATE`` as (hosts, processes per host, rate): ``4x1gbit`` or ``2x2x1gbit``."""
+    parts = spec.split("x")
+    if len(parts) == 2:
+        parts.insert(1, "1")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or int(parts[1]) < 1 or not parts[2]:
+        parser.error(
+            f"--cluster must look like HOSTSxRATE or HOSTSxPROCSxRATE (PROCS >= 1), e.g. 4x1gbit or 2x2x1gbit; "
+            f"got {spec!r}"
+        )
+    return int(parts[0]), int(parts[1]), parts[2]
 
 
 def parse_strategy_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, list[str]]:
@@ -327,6 +342,7 @@ class Grid:
     stop: bool = True
     run_timeout: float | None = None
     cluster: Any = None
+    procs_per_host: int = 1  #: processes on every host of the cluster (Trainer devices; num_nodes = hosts)
     workers: bool = True  #: run in worker processes started once (not on a cluster): benchmark/workers.py
     accelerator: str | None = None  #: "gpu": every rank on a GPU (see ``shared_gpu``); None: the config's
     shared_gpu: bool = False  #: every rank on GPU 0 over gloo, as one-GPU nodes on one machine
@@ -405,7 +421,9 @@ def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) 
             results.append(p.result)
             continue
         cmd = [sys.executable, "-m", "lightning_sync.cli", *p.args]
-        results.append(run_one(p.result, cmd, p.progress, grid.cluster, grid.run_timeout, clock_start))
+        results.append(
+            run_one(p.result, cmd, p.progress, grid.cluster, grid.run_timeout, clock_start, grid.procs_per_host)
+        )
     return results
 
 
@@ -476,10 +494,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.cluster:
         from lightning_sync.cluster import NamespaceCluster
 
-        hosts, _, rate = args.cluster.partition("x")
-        if not hosts.isdigit() or not rate:
-            parser.error(f"--cluster must look like HOSTSxRATE, e.g. 4x1gbit; got {args.cluster!r}")
-        grid.cluster = NamespaceCluster(int(hosts), rate).__enter__()
+        hosts, procs, rate = parse_cluster(args.cluster, parser)
+        grid.procs_per_host = procs
+        grid.cluster = NamespaceCluster(hosts, rate).__enter__()
     try:
         results = run_grid(grid, groups, rows)
     finally:
@@ -514,7 +531,7 @@ def write_report(
         folder = out / slug(group)
         folder.mkdir(parents=True, exist_ok=True)
         text = report.markdown(rows, target)
-        (folder / "table.md").write_text(text + "\n\n" + report.legend(target, seeds) + "\n")
+        (folder / "table.md").write_text(text + "\n\n" + report.legend(target, seeds, rows) + "\n")
         report.write_csv(rows, folder / "table.csv")
         written += [folder / "table.md", folder / "table.csv"]
         title = f"{where}, link {group}"
@@ -527,7 +544,7 @@ def write_report(
             }
         print(f"\n## lightning-sync compare: {where}, emulated link {group}\n")
         print(text)
-        print("\n" + report.legend(target, seeds))
+        print("\n" + report.legend(target, seeds, rows))
     report.write_runs(results, out / "runs.csv")
     written.append(out / "runs.csv")
     if by_bandwidth:

@@ -76,6 +76,7 @@ def main() -> None:
         ALADDINStrategy,
         ASPStrategy,
         BSPStrategy,
+        LocalSGDStrategy,
         OSPStrategy,
         SelSyncStrategy,
         SyncSwitchStrategy,
@@ -113,6 +114,8 @@ def main() -> None:
         # default shard size: one shard per rank; workers never wait for replies
         "aladdin": lambda: ALADDINStrategy(period=2, timeout=timeout),
         "sync_switch": lambda: SyncSwitchStrategy(shard_size=16, timeout=timeout),
+        # replica groups of 2 ranks: the intra-replica all-reduce every step, the leaders' average every 2 steps
+        "localsgd_grouped": lambda: LocalSGDStrategy(period=2, replica_size=2, timeout=timeout),
     }
     strategy = strategies[cfg["strategy"]]()
     if faulty and cfg["where"] == "ics_launch":

@@ -2,9 +2,9 @@
 
 It reads nothing but the environment a multi-node launcher sets (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``,
 ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``): the Trainers say ``num_nodes=2, devices=2`` and Lightning does the rest.
-It trains BSP, SelSync and ALADDIN one after the other in this process and writes what it saw to
-``<out>/rank<RANK>.json`` (``<out>/error_rank<RANK>.txt`` with the traceback if anything raised); its stdout and
-stderr go to ``<out>/log_rank<RANK>.txt``.
+It trains BSP, SelSync, ALADDIN and grouped local SGD (``replica_size="node"``) one after the other in this process
+and writes what it saw to ``<out>/rank<RANK>.json`` (``<out>/error_rank<RANK>.txt`` with the traceback if anything
+raised); its stdout and stderr go to ``<out>/log_rank<RANK>.txt``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ BSP_STEPS = 6
 SELSYNC_STEPS = 20
 SELSYNC_DELTA = 0.05  # with 4 ranks on the digits CNN: some steps sync, some stay local
 ALADDIN_BATCHES = 5  # per rank, one epoch
+GROUPED_STEPS = 6  # local SGD with replica_size="node" (each host a replica), period 3: syncs after steps 0 and 3
+GROUPED_PERIOD = 3
 TIMEOUT = timedelta(seconds=60)  # a mismatched collective fails instead of hanging for 30 minutes
 
 
@@ -57,7 +59,7 @@ def main(out: Path) -> None:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_sync import ALADDINStrategy, BSPStrategy, SelSyncStrategy
+    from lightning_sync import ALADDINStrategy, BSPStrategy, LocalSGDStrategy, SelSyncStrategy
     from lightning_sync.comm import destroy_default_group
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
@@ -76,10 +78,12 @@ def main(out: Path) -> None:
 
     class Probe(Callback):
         """After every step: all-gather (plain torch.distributed, not the strategy's code) a checksum of the exact
-        bits of parameters and buffers; record whether the step synced and whether all ranks agree."""
+        bits of parameters and buffers; record whether the step synced and whether all ranks agree (and, in
+        ``replicas``, whether the ranks of each host agree)."""
 
         def __init__(self) -> None:
             self.rows: list[list[bool]] = []
+            self.replicas: list[list[bool]] = []
             self._syncs = 0
 
         def on_train_batch_end(self, trainer, pl_module, *args) -> None:
@@ -91,6 +95,8 @@ def main(out: Path) -> None:
             synced = trainer.strategy.step_counter.sync_steps > self._syncs
             self._syncs = trainer.strategy.step_counter.sync_steps
             self.rows.append([bool(synced), all(torch.equal(g, gathered[0]) for g in gathered)])
+            hosts = [gathered[h * DEVICES : (h + 1) * DEVICES] for h in range(NUM_NODES)]
+            self.replicas.append([all(torch.equal(g, host[0]) for g in host) for host in hosts])
 
     def fit(name: str, strategy: Any, callbacks: Any = (), **kw: Any) -> Any:
         pl.seed_everything(0)
@@ -140,6 +146,13 @@ def main(out: Path) -> None:
     summary = trainer.strategy.server_summary
     res["aladdin"]["server"] = {"pushes": summary["pushes"], "global_updates": summary["global_updates"]}
     res["aladdin"]["steps"] = trainer.strategy.step_counter.steps
+
+    probe = Probe()
+    grouped = LocalSGDStrategy(period=GROUPED_PERIOD, replica_size="node", verify_sync=True, timeout=TIMEOUT)
+    trainer = fit("grouped", grouped, [probe], max_steps=GROUPED_STEPS)
+    res["grouped"]["probe"] = probe.rows
+    res["grouped"]["replicas"] = probe.replicas
+    res["grouped"]["topology"] = [grouped.ranks_per_replica, grouped.num_replicas, grouped.replica_index]
 
     destroy_default_group()
     rank = os.environ["RANK"]

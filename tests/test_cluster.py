@@ -106,3 +106,34 @@ def test_compare_runs_multi_node_on_the_cluster(tmp_path):
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     listed = {line.split()[0] for line in out.splitlines() if line.strip()}
     assert not listed & {f"{prefix}h0", f"{prefix}h1", f"{prefix}sw"}, out
+
+
+def test_compare_runs_hosts_of_several_processes_with_replica_groups(tmp_path):
+    """``--cluster 2x2x1gbit``: 2 hosts of 2 processes (``num_nodes=2, devices=2``); ``replica_size=node`` makes each
+    host a replica, so only the method's syncs between the hosts' first ranks leave a host (the processes of a host
+    share its namespace and loopback). The table shows the bytes a replica sent between replicas beside all it
+    sent."""
+    from lightning_sync.compare import main as compare_main
+
+    result = compare_main(
+        [
+            "--cluster",
+            "2x2x1gbit",
+            "--strategies",
+            "localsgd@replica_size=node",
+            "--seeds",
+            "1",
+            "--target",
+            "0.01",  # met at the first evaluation
+            "--out",
+            str(tmp_path),
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=4",
+            "--trainer.limit_val_batches=2",
+        ]
+    )
+    (row,) = result["tables"]["cluster 2x2x1gbit"]
+    assert row["method"] == "localsgd (replica_size=node)" and "error" not in row, row
+    assert row["reached"] == 1 and row["steps"] == 4
+    assert 0 < row["inter_bytes"] < row["bytes_per_rank"]  # the gradient average inside the host stayed inside
+    assert "bytes between replicas / replica" in (tmp_path / "cluster-2x2x1gbit" / "table.md").read_text()

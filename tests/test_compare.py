@@ -215,8 +215,8 @@ class _LocalHosts:
 
     hosts = 2
 
-    def env(self, i: int, port: int) -> dict[str, str]:
-        return {**os.environ, "NODE_RANK": str(i)}
+    def env(self, i: int, port: int, local_rank: int = 0, procs_per_host: int = 1) -> dict[str, str]:
+        return {**os.environ, "NODE_RANK": str(i), "LOCAL_RANK": str(local_rank)}
 
     def popen(self, i: int, cmd, env, **kwargs) -> subprocess.Popen:
         return subprocess.Popen(cmd, env=env, start_new_session=True, **kwargs)
@@ -244,3 +244,87 @@ def test_a_row_variant_runs_a_strategy_with_other_arguments_beside_its_default_r
     assert [r.label for r in rows] == ["ddp", "selsync", "selsync+bf16 (vote=exact, window=5)", "ddp@x=1", "bsp@nokey"]
     assert rows[2].cli_args == ["compression=bf16", "vote=exact", "window=5"] and not rows[1].cli_args
     assert "the reference; it has no variants" in rows[3].error and "NAME@KEY=VALUE" in rows[4].error
+
+
+# ----------------------------------------------------------------------------------------------- replica groups
+def test_a_grouped_row_beside_the_flat_one():
+    """Issue 49's rows: ``localsgd+bf16@replica_size=2`` runs local SGD with bf16 syncs as 2-rank replicas beside
+    ``localsgd+bf16`` (every rank a replica); the argument reaches the strategy through LightningCLI as an integer,
+    ``node`` as the string."""
+    from pathlib import Path
+
+    from lightning_sync.cli import cli_main
+    from lightning_sync.compare import build_rows, parse_args
+
+    args, _, parser = parse_args(["--strategies", "ddp,localsgd+bf16,localsgd+bf16@replica_size=2"])
+    rows = build_rows(args, "words", 0.1, parser)
+    assert [r.label for r in rows] == ["ddp", "localsgd+bf16", "localsgd+bf16 (replica_size=2)"]
+    assert rows[2].cli_args == ["compression=bf16", "replica_size=2"]
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "localsgd.yaml"
+    for value, expected in (("2", 2), ("node", "node")):
+        cli = cli_main(
+            ["--config", str(config), f"--trainer.strategy.init_args.replica_size={value}", "--trainer.devices=4"],
+            run=False,
+        )
+        assert cli.trainer.strategy.replica_size == expected
+
+
+def test_cluster_spec_with_processes_per_host(capsys):
+    import argparse
+
+    from lightning_sync.compare import parse_cluster
+
+    parser = argparse.ArgumentParser()
+    assert parse_cluster("4x1gbit", parser) == (4, 1, "1gbit")
+    assert parse_cluster("2x2x100mbit", parser) == (2, 2, "100mbit")
+    for bad in ("2xx1gbit", "2x0x1gbit", "ax1gbit", "2x2x", "2x2x2x1gbit"):
+        with pytest.raises(SystemExit):
+            parse_cluster(bad, parser)
+        assert "HOSTSxPROCSxRATE" in capsys.readouterr().err
+
+
+def test_a_cluster_run_starts_every_process_of_every_host(tmp_path):
+    """``--cluster 2x2x...``: each host runs 2 processes with their own LOCAL_RANK, every one told ``num_nodes=2``
+    and ``devices=2``; rank 0's output is streamed, the others' kept per host and process."""
+    from lightning_sync.benchmark.runs import RunResult, run_one
+
+    script = "import os, sys; print(os.environ['NODE_RANK'], os.environ['LOCAL_RANK'], *sys.argv[1:])"
+    result = RunResult("localsgd", 0, "cluster", tmp_path / "run")
+    run_one(result, [sys.executable, "-c", script], "test", cluster=_LocalHosts(), procs_per_host=2)
+    run = tmp_path / "run"
+    args = "--trainer.num_nodes=2 --trainer.devices=2"
+    assert (run / "run.log").read_text().strip() == f"0 0 {args}"
+    for host, local in ((0, 1), (1, 0), (1, 1)):
+        assert (run / f"run.host{host}.proc{local}.log").read_text().strip() == f"{host} {local} {args}"
+
+
+def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path):
+    """A grouped row's column is rank 0's ``bytes_inter``; a flat row (every rank a replica) sent all its bytes
+    between replicas; a table without grouped rows has no such column."""
+    from lightning_sync.benchmark import report
+    from lightning_sync.benchmark.runs import RunResult, Target
+    from lightning_sync.benchmark.ttt import Outcome
+
+    def run(label: str, seed: int, inter: float) -> RunResult:
+        r = RunResult(label, seed, "1gbit", tmp_path / label, ok=True)
+        r.outcome = Outcome(reached=True, time_s=10.0, steps=100, bytes_per_rank=1000.0, inter_bytes=inter)
+        return r
+
+    nan = float("nan")
+    target = Target("val_acc", 0.5, "max")
+    results = [run("ddp", s, nan) for s in (0, 1)] + [run("localsgd (replica_size=2)", s, 40.0 + 2 * s) for s in (0, 1)]
+    rows = report.table_rows(["ddp", "localsgd (replica_size=2)"], results)
+    assert [row["inter_bytes"] for row in rows] == [1000.0, 41.0]
+    header, _, ddp, grouped = report.markdown(rows, target).splitlines()
+    assert "| bytes sent / rank | bytes between replicas / replica |" in header
+    assert "| 1,000 | 1,000 |" in ddp and "| 1,000 | 41 |" in grouped
+    assert "Bytes between replicas / replica" in report.legend(target, 2, rows)
+    report.write_csv(rows, tmp_path / "table.csv")
+    report.write_runs(results, tmp_path / "runs.csv")
+    assert "inter_bytes" in (tmp_path / "table.csv").read_text().splitlines()[0]
+    assert "inter_bytes" in (tmp_path / "runs.csv").read_text().splitlines()[0]
+    flat = report.table_rows(["ddp"], results[:2])
+    assert "inter_bytes" not in flat[0] and "between replicas" not in report.markdown(flat, target)
+    assert "between replicas" not in report.legend(target, 2, flat)
+    report.write_runs(results[:2], tmp_path / "flat_runs.csv")
+    assert "inter_bytes" not in (tmp_path / "flat_runs.csv").read_text()

@@ -15,7 +15,8 @@ launcher terminate the siblings of a failed process, which would hide a hang. Fo
 
 The measured time from the fault to each survivor's exit is printed (``pytest -s``). The default matrix covers BSP,
 SelSync, OSP (including a rank that dies with the peers' asynchronous all-reduce in flight), ASP and ALADDIN, with
-both kinds of fault and both a peer and the store host failing; ``LIGHTNING_SYNC_SLOW_TESTS=1`` adds Sync-Switch
+both kinds of fault and both a peer and the store host failing, and local SGD with replica groups (2 x 2, a replica's
+leader killed); ``LIGHTNING_SYNC_SLOW_TESTS=1`` adds Sync-Switch
 and three-rank runs.
 """
 
@@ -69,6 +70,8 @@ CASES = [
     Case("asp", "exit"),
     Case("aladdin", "raise"),  # wait-free workers: the failure surfaces at the next push
     Case("aladdin", "exit", rank=0),
+    # replica groups (2 x 2): a replica's leader killed; its replica's other rank, the other leader and its rank stop
+    Case("localsgd_grouped", "exit", rank=2, world=4),
 ]
 SLOW_CASES = [
     Case("bsp", "raise"),

@@ -1,4 +1,5 @@
-"""Multi-node by configuration alone: 2 hosts (network namespaces) x 2 processes train BSP, SelSync and ALADDIN.
+"""Multi-node by configuration alone: 2 hosts (network namespaces) x 2 processes train BSP, SelSync, ALADDIN and
+local SGD with replica groups (``replica_size="node"``: each host a replica).
 
 Every process gets only the environment a multi-node launcher sets (``MASTER_ADDR`` = host 0's address on the
 veth/bridge network, ``NODE_RANK``, ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE=4``) and builds
@@ -11,6 +12,7 @@ at the end, and its pure parts without namespaces.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -161,6 +163,34 @@ def test_aladdin_every_rank_trains_and_pushes_and_the_global_model_is_finite(job
         assert a["metrics"]["bytes_push"] == a["server"]["pushes"] * per_push
         assert a["finite"]
     assert len({rr["aladdin"]["checksum"] for rr in res}) == 1  # fit hands back the one global model
+
+
+@needs_cluster
+def test_replica_size_node_makes_each_host_a_replica_whose_traffic_stays_off_the_link(job):
+    """``replica_size="node"`` on 2 nodes x 2 devices: each host's two ranks are one replica (exact gradient average
+    every step over the host's loopback), the hosts' first ranks average between them. What each host's veth link
+    sent (the kernel's counter) covers the syncs between hosts and stays below what its ranks sent inside the
+    replica: the traffic inside a host never crossed the link."""
+    res = job["res"]
+    numel = _numel()
+    syncs = math.ceil(worker.GROUPED_STEPS / worker.GROUPED_PERIOD)  # after steps 0 and 3, and a final average
+    for r, rr in enumerate(res):
+        g = rr["grouped"]
+        assert g["topology"] == [PROCS, HOSTS, r // PROCS]
+        m = g["metrics"]
+        assert m["bytes_intra/grads"] == worker.GROUPED_STEPS * gloo_ring_allreduce_bytes(numel, 4, PROCS, r % PROCS)
+        between = (syncs + 1) * gloo_ring_allreduce_bytes(numel, 4, HOSTS, r // PROCS) if r % PROCS == 0 else 0
+        assert m.get("bytes_params", 0) + m.get("bytes_final", 0) == between  # on the leaders only
+        assert len(g["replicas"]) == worker.GROUPED_STEPS and all(all(hosts) for hosts in g["replicas"])
+        assert [synced and same for synced, same in g["probe"]] == [step % worker.GROUPED_PERIOD == 0 for step in
+                                                                    range(worker.GROUPED_STEPS)]  # fmt: skip
+    for host in range(HOSTS):
+        leader = res[host * PROCS]["grouped"]
+        inside = sum(res[host * PROCS + i]["grouped"]["metrics"]["bytes_intra"] for i in range(PROCS))
+        sent = leader["veth_tx_bytes"]
+        # measured: host 0 sent 0.8 MB (the syncs, rank 0's setup broadcast, TCP/IP), its ranks 2.3 MB inside;
+        # had that crossed the link, the host would have sent over 3 MB
+        assert leader["metrics"]["bytes_params"] + leader["metrics"]["bytes_final"] <= sent < inside
 
 
 @needs_cluster

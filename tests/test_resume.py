@@ -21,6 +21,10 @@ from a checkpoint of the same run, then the tests compare them:
 * **Compressed** (``compression="int8"``: per-rank error-feedback residuals, and the reference of compressed parameter
   averaging): BSP, local SGD and plain DiLoCo resume exactly like their uncompressed runs, ASP restores its state
   (the push residuals included) exactly.
+* **Replica groups** (``replica_size=2`` on 4 processes: 2 replicas x 2 ranks, a second module fixture): every method
+  that runs grouped resumes mid-epoch exactly like the deterministic strategies above (each replica's state, the
+  outer optimizer's, the schedule's, the fragment or vote in flight), ``verify_sync`` checking both levels at every
+  step of both runs.
 """
 
 from __future__ import annotations
@@ -47,8 +51,21 @@ COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8", "diloco_int8")
 #: "selsync" above: its checkpoint is taken with the previous step's vote in flight, which decides after the resume)
 VARIANTS_EXACT = ("selsync_exact",)
 COMPRESSED_ASYNC = ("asp_int8",)
+#: replica groups, 2 replicas x 2 ranks (4 processes): every strategy that runs grouped, resumed like EXACT
+GROUPED_WORLD, GROUPED_SIZE = 4, 2
+GROUPED_EXACT = (
+    "bsp_grouped",
+    "selsync_grouped",
+    "localsgd_grouped",
+    "fedavg_grouped",
+    "adpsgd_grouped",
+    "diloco_grouped",
+    "localsgd_int8_grouped",
+)
 #: state entries that are wall-clock measurements, not trajectory (per-tag blocked seconds, measured times)
-TIME_KEYS = frozenset({"blocked_seconds", "blocked_s", "seconds", "ics_wait_s", "overlap"})
+TIME_KEYS = frozenset(
+    {"blocked_seconds", "blocked_s", "blocked_intra_s", "blocked_inter_s", "seconds", "ics_wait_s", "overlap"}
+)
 #: state lists that hold a measured time beside trajectory values: the indices that are not times
 #: (OSP: [compute seconds, steps, loss sum] and [RS bytes, RS seconds] of the epoch so far)
 PARTLY_TIMED = {"epoch_stats": slice(1, None), "rs_bytes_seconds": slice(0, 1)}
@@ -59,6 +76,7 @@ def _strategy(name: str):
 
     common = dict(timeout=TIMEOUT)
     sync = dict(common, verify_sync=True)
+    grouped = dict(sync, replica_size=GROUPED_SIZE)
     return {
         "bsp": lambda: S.BSPStrategy(**sync),
         "selsync": lambda: S.SelSyncStrategy(delta=0.05, **sync),
@@ -79,6 +97,15 @@ def _strategy(name: str):
         "asp_int8": lambda: S.ASPStrategy(compression="int8", **common),
         # plain DiLoCo (its default outer optimizer, chosen at setup) with int8: outer state, residuals, reference
         "diloco_int8": lambda: S.DiLoCoStrategy(sync_every=4, compression="int8", **sync),
+        # replica groups: the same settings, 2 ranks per replica; checkpoints after 7 steps (5 per epoch)
+        "bsp_grouped": lambda: S.BSPStrategy(**grouped),
+        "selsync_grouped": lambda: S.SelSyncStrategy(delta=0.05, **grouped),  # the previous step's vote in flight
+        "localsgd_grouped": lambda: S.LocalSGDStrategy(period=3, offset=2, **grouped),
+        "fedavg_grouped": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **grouped),  # one replica of 2
+        "adpsgd_grouped": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **grouped),
+        # streaming: fragment 1 launched after step 5, in flight at the checkpoint, applied after step 7
+        "diloco_grouped": lambda: S.DiLoCoStrategy(sync_every=6, fragments=2, delay=2, alpha=0.5, **grouped),
+        "localsgd_int8_grouped": lambda: S.LocalSGDStrategy(period=3, compression="int8", **grouped),
     }[name]()
 
 
@@ -88,6 +115,14 @@ def _float_state(model) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------- worker side
 def _suite(rank: int, out_dir: str) -> None:
+    _run(rank, out_dir, WORLD, grouped=False)
+
+
+def _grouped_suite(rank: int, out_dir: str) -> None:
+    _run(rank, out_dir, GROUPED_WORLD, grouped=True)
+
+
+def _run(rank: int, out_dir: str, world: int, grouped: bool) -> None:
     import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -137,7 +172,7 @@ def _suite(rank: int, out_dir: str) -> None:
         pl.seed_everything(0)
         trainer = pl.Trainer(
             accelerator="cpu",
-            devices=WORLD,
+            devices=world,
             strategy=_strategy(name),
             max_epochs=EPOCHS,
             callbacks=[*callbacks, end := AtEnd()],
@@ -160,11 +195,11 @@ def _suite(rank: int, out_dir: str) -> None:
     dm = DigitsDataModule(batch_size=BATCH)
     dm.setup("fit")
     assert dm.train_dataset is not None
-    steps_per_epoch = math.ceil(math.ceil(len(dm.train_dataset) / WORLD) / BATCH)  # DistributedSampler pads
+    steps_per_epoch = math.ceil(math.ceil(len(dm.train_dataset) / world) / BATCH)  # DistributedSampler pads
     res["steps_per_epoch"] = steps_per_epoch
 
     # deterministic strategies: a checkpoint at step C, in the middle of the second epoch
-    for name in EXACT + COMPRESSED_EXACT + VARIANTS_EXACT:
+    for name in GROUPED_EXACT if grouped else EXACT + COMPRESSED_EXACT + VARIANTS_EXACT:
         ckdir = out / f"ckpt_{name}"
         at = steps_per_epoch + steps_per_epoch // 2
         mc = ModelCheckpoint(dirpath=ckdir, every_n_train_steps=at, save_top_k=-1, filename="{step}")
@@ -176,6 +211,9 @@ def _suite(rank: int, out_dir: str) -> None:
         fit(name, "resumed", [start, mc], ckpt_path=str(ckdir / f"step={at}.ckpt"))
         torch.save({"state": start.state, "model": start.model}, out / f"{name}_start_rank{rank}.pt")
         res[f"{name}_ckpt_step"] = at
+    if grouped:
+        (out / f"res_rank{rank}.json").write_text(json.dumps(res))
+        return
 
     # asynchronous strategies: a checkpoint at the end of the first epoch
     for name in ASYNC + COMPRESSED_ASYNC:
@@ -208,6 +246,12 @@ def _suite(rank: int, out_dir: str) -> None:
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
     return out, run_suite(_suite, WORLD, out)
+
+
+@pytest.fixture(scope="module")
+def grouped_suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume_grouped")
+    return out, run_suite(_grouped_suite, GROUPED_WORLD, out)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -251,14 +295,15 @@ def test_the_suite_covers_every_strategy():
     from lightning_sync.strategies import STRATEGIES
 
     assert {cls.strategy_name for cls in STRATEGIES} == {*EXACT, *ASYNC, "sync_switch"}
+    # and every strategy that runs with replica groups has a grouped case
+    grouped = {cls.strategy_name for cls in STRATEGIES if cls.replica_groups_refusal is None}
+    assert grouped == {name.removesuffix("_grouped") for name in GROUPED_EXACT if "_int8" not in name}
 
 
-@pytest.mark.parametrize("name", EXACT + COMPRESSED_EXACT + VARIANTS_EXACT)
-def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(suite, name):
-    out, res = suite
+def _assert_resumed_exactly(out: Path, res: list[dict[str, Any]], name: str, world: int) -> None:
     spe, at = res[0]["steps_per_epoch"], res[0][f"{name}_ckpt_step"]
     assert spe < at < 2 * spe  # mid-epoch, in the second epoch
-    for rank in range(WORLD):
+    for rank in range(world):
         full, resumed = _load(out / f"{name}_full_rank{rank}.pt"), _load(out / f"{name}_resumed_rank{rank}.pt")
         assert full["global_step"] == resumed["global_step"] == EPOCHS * spe
         assert _same_tensors(resumed["model"], full["model"])  # bit-identical parameters and buffers
@@ -268,6 +313,32 @@ def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninter
         start, part = _load(out / f"{name}_start_rank{rank}.pt"), _part(out, name, f"step={at}.ckpt", rank)
         assert _strip(start["state"]) == _strip(part["strategy_state"])
     assert full["metrics"]["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("name", EXACT + COMPRESSED_EXACT + VARIANTS_EXACT)
+def test_deterministic_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(suite, name):
+    out, res = suite
+    _assert_resumed_exactly(out, res, name, WORLD)
+
+
+@pytest.mark.parametrize("name", GROUPED_EXACT)
+def test_grouped_strategy_resumed_mid_epoch_ends_exactly_where_the_uninterrupted_run_does(grouped_suite, name):
+    """Replica groups: the same exact resume, on 2 replicas x 2 ranks. The two replicas end different (but each
+    replica's ranks identical: ``verify_sync`` checked it after every step), and each rank's part held its own."""
+    out, res = grouped_suite
+    _assert_resumed_exactly(out, res, name, GROUPED_WORLD)
+    at = res[0][f"{name}_ckpt_step"]
+    parts = [_part(out, name, f"step={at}.ckpt", rank)["strategy_state"] for rank in range(GROUPED_WORLD)]
+    main = _load(out / f"ckpt_{name}" / f"step={at}.ckpt")["lightning_sync"]
+    assert main["ranks_per_replica"] == GROUPED_SIZE and main["world_size"] == GROUPED_WORLD
+    sent = [p["comm"]["bytes_sent"] for p in parts]
+    assert all(s.get("intra/grads", 0) > 0 for s in sent)  # the exact average inside each replica, every step
+    models = [_load(out / f"{name}_full_rank{rank}.pt")["model"] for rank in range(GROUPED_WORLD)]
+    assert _same_tensors(models[0], models[1]) and _same_tensors(models[2], models[3])
+    if name == "diloco_grouped":  # the fragment in flight: launched on the leaders, taken by the others at its step
+        assert all(p["diloco"]["pending"] is not None for p in parts)
+    if name == "selsync_grouped":  # the previous step's vote, cast alike by every rank of a replica
+        assert all(p["vote_in_flight"] is not None for p in parts)
 
 
 def test_checkpoint_parts_count_their_own_save_whether_the_replicas_are_in_sync_or_not(suite):

@@ -334,8 +334,65 @@ def _ranks_with_a_bad_entry() -> Any:
 _NOT_AN_OBJECT = st.one_of(st.integers(), _ANY_FLOAT, st.booleans(), _TEXT, _JUNK)
 
 
-def base_specs(parameter_server: bool = False) -> dict[str, Arg]:
-    """The arguments every strategy inherits from :class:`SyncStrategy` (and passes on to ``DDPStrategy``)."""
+def _link_arg(name: str) -> Arg:
+    """A link to emulate: None, a LinkModel or 'BANDWIDTH[,LATENCY]'."""
+    return Arg(
+        allowed="None, a LinkModel, or 'BANDWIDTH[,LATENCY]' such as '1gbit,1ms'",
+        valid=st.one_of(
+            st.none(),
+            _RATE_TEXT,
+            st.builds("{},{}".format, _RATE_TEXT, _DURATION_TEXT),
+            st.builds(LinkModel, _RATE_TEXT, _DURATION_TEXT),
+        ),
+        invalid=st.one_of(
+            _TEXT,
+            _BAD_QUANTITIES,
+            st.builds("{},{}".format, _RATE_TEXT, _BAD_QUANTITIES),
+            st.builds("{},{},{}".format, _RATE_TEXT, _DURATION_TEXT, _DURATION_TEXT),
+            st.integers(),
+            _ANY_FLOAT,
+            st.booleans(),
+            _JUNK,
+        ),
+        message=rf"{name} must be a LinkModel, a string 'BANDWIDTH\[,LATENCY\]'",
+        edges_valid=(None, "1gbit", "1gbit,0ms", LinkModel("10mbit", "5ms")),
+        edges_invalid=("", ",", "1gbit,", "0gbit,1ms", "1gbit,-1ms", 1e9, True),
+    )
+
+
+_REPLICA_SIZE = Arg(
+    allowed="None (every rank a replica), 'node' (the ranks of one node) or an integer >= 1",
+    valid=st.one_of(st.none(), st.just("node"), st.integers(1, 10**6)),
+    invalid=st.one_of(
+        st.integers(max_value=0),
+        _ANY_FLOAT,
+        st.booleans(),
+        _TEXT,
+        st.sampled_from(["Node", "NODE", "nodes", "2", ""]),
+        _JUNK,
+    ),
+    message=r"replica_size must be None \(every rank a replica\), 'node' .* or an integer >= 1",
+    edges_valid=(None, "node", 1, 10**6),
+    edges_invalid=(0, -1, 2.0, True, "2", "Node", " node"),
+    note="it must divide the world size: checked at setup (needs the Trainer's topology)",
+)
+
+
+def _refused(name: str, spec: Arg) -> Arg:
+    """An argument only ``None`` is accepted for: the method refuses replica groups, saying why."""
+    return Arg(
+        allowed="None only (the method cannot run with replica groups: its docs say why)",
+        valid=st.none(),
+        invalid=spec.valid.filter(lambda v: v is not None),
+        message=rf"{name} must be None for \w+Strategy: .*Use {name}=None",
+        edges_valid=(None,),
+        edges_invalid=tuple(v for v in spec.edges_valid if v is not None),
+    )
+
+
+def base_specs(parameter_server: bool = False, replica_groups: bool = True) -> dict[str, Arg]:
+    """The arguments every strategy inherits from :class:`SyncStrategy` (and passes on to ``DDPStrategy``);
+    ``replica_groups=False``: a method that refuses ``replica_size`` and ``intra_link``."""
     if parameter_server:
         injection = Arg(
             allowed="None only (dynamic work assignment has no per-rank partition to inject into)",
@@ -363,29 +420,13 @@ def base_specs(parameter_server: bool = False) -> dict[str, Arg]:
             edges_valid=(None, (1.0, 1.0), (1, 1), [0.5, 1.0]),
             edges_invalid=((0.0, 0.5), (0.5, 0.0), (1.0, 1.0 + 1e-9), (0.5,), (0.5, 0.5, 0.5), (), "ab"),
         )
+    intra_link = _link_arg("intra_link")
+    if replica_groups:
+        intra_link = replace(intra_link, note="needs replica groups (replica_size resolving to > 1): checked at setup")
     return {
-        "link": Arg(
-            allowed="None, a LinkModel, or 'BANDWIDTH[,LATENCY]' such as '1gbit,1ms'",
-            valid=st.one_of(
-                st.none(),
-                _RATE_TEXT,
-                st.builds("{},{}".format, _RATE_TEXT, _DURATION_TEXT),
-                st.builds(LinkModel, _RATE_TEXT, _DURATION_TEXT),
-            ),
-            invalid=st.one_of(
-                _TEXT,
-                _BAD_QUANTITIES,
-                st.builds("{},{}".format, _RATE_TEXT, _BAD_QUANTITIES),
-                st.builds("{},{},{}".format, _RATE_TEXT, _DURATION_TEXT, _DURATION_TEXT),
-                st.integers(),
-                _ANY_FLOAT,
-                st.booleans(),
-                _JUNK,
-            ),
-            message=r"link must be a LinkModel, a string 'BANDWIDTH\[,LATENCY\]'",
-            edges_valid=(None, "1gbit", "1gbit,0ms", LinkModel("10mbit", "5ms")),
-            edges_invalid=("", ",", "1gbit,", "0gbit,1ms", "1gbit,-1ms", 1e9, True),
-        ),
+        "link": _link_arg("link"),
+        "replica_size": _REPLICA_SIZE if replica_groups else _refused("replica_size", _REPLICA_SIZE),
+        "intra_link": intra_link if replica_groups else _refused("intra_link", intra_link),
         "verify_sync": bool_arg("verify_sync"),
         "compression": choice_arg(
             "compression",
@@ -661,7 +702,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         evaluate=_EVALUATE,
     ),
     OSPStrategy: _with(
-        base_specs(),
+        base_specs(replica_groups=False),
         bandwidth=Arg(
             allowed="None (measured), a positive finite number of bits/s, or a rate such as '1gbit'",
             valid=st.one_of(
@@ -688,12 +729,15 @@ SPECS: dict[type, dict[str, Arg]] = {
         fixed_share=real_arg("fixed_share", 0.0, 1.0, high_open=True, none_ok=True),
         bucket_cap_mb=_BUCKET_CAP,
     ),
-    ASPStrategy: _with(base_specs(parameter_server=True), shard_size=_SHARD, **_PUSH_SCALE),
+    ASPStrategy: _with(base_specs(parameter_server=True, replica_groups=False), shard_size=_SHARD, **_PUSH_SCALE),
     SSPStrategy: _with(
-        base_specs(parameter_server=True), shard_size=_SHARD, staleness=int_arg("staleness", 0), **_PUSH_SCALE
+        base_specs(parameter_server=True, replica_groups=False),
+        shard_size=_SHARD,
+        staleness=int_arg("staleness", 0),
+        **_PUSH_SCALE,
     ),
     ALADDINStrategy: _with(
-        base_specs(parameter_server=True),
+        base_specs(parameter_server=True, replica_groups=False),
         shard_size=_SHARD,
         period=int_arg("period", 1),
         alpha=Arg(
@@ -707,7 +751,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         aggregate=choice_arg("aggregate", ("mean", "sum"), r"aggregate must be 'mean' \(weight 1/n\) or 'sum'"),
     ),
     SyncSwitchStrategy: _with(
-        base_specs(parameter_server=True),
+        base_specs(parameter_server=True, replica_groups=False),
         shard_size=_SHARD,
         bsp_lr_scale=real_arg("bsp_lr_scale", 0.0, low_open=True, none_ok=True),
         asp_lr_scale=real_arg("asp_lr_scale", 0.0, low_open=True),
@@ -847,7 +891,17 @@ def test_every_constructor_argument_has_a_spec():
 def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_through():
     base = set(inspect.signature(SyncStrategy.__init__).parameters) - {"self"}
     assert set(PASS_THROUGH) <= base
-    assert base == {"link", "verify_sync", "sync_stats", "injection", "injection_seed", "compression", *PASS_THROUGH}
+    assert base == {
+        "link",
+        "verify_sync",
+        "sync_stats",
+        "injection",
+        "injection_seed",
+        "compression",
+        "replica_size",
+        "intra_link",
+        *PASS_THROUGH,
+    }
     for cls in STRATEGIES:
         assert base <= _constructor_arguments(cls), cls.__name__
         for name in PASS_THROUGH:
@@ -1164,6 +1218,25 @@ def test_parameter_server_strategy_with_timeout_none_sets_up(single_process):
     )
     trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=8))
     assert trainer.global_step == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*runs with world size 1")
+def test_replica_groups_that_the_topology_cannot_make_are_refused_at_setup(single_process):
+    """``replica_size`` must divide the world size, and ``intra_link`` needs replica groups of more than one rank
+    (``"node"`` on one device per node makes each rank its own replica): refused at setup, before any collective,
+    saying why and what to use instead. ``"node"`` with one device trains as flat."""
+
+    def fit(strategy: SyncStrategy) -> pl.Trainer:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, **quiet_trainer_kwargs())
+        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=8))
+        return trainer
+
+    with pytest.raises(ValueError, match=r"replica_size must divide the world size 1 .*use a divisor of 1, 'node'"):
+        fit(LocalSGDStrategy(replica_size=2))
+    with pytest.raises(ValueError, match=r"intra_link emulates the link inside a replica group.*Set replica_size"):
+        fit(SelSyncStrategy(replica_size="node", intra_link="10gbit"))
+    trainer = fit(LocalSGDStrategy(replica_size="node"))
+    assert trainer.global_step == 1 and trainer.strategy.ranks_per_replica == 1
 
 
 if __name__ == "__main__":

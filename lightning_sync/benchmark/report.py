@@ -40,7 +40,9 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
     """One row per label (in order): how many runs reached the target, the mean time to target (fastest and slowest
     dropped from 5 runs on; missed unless every run kept reached it), min, max, speedup vs ``reference``, and the
     means over the runs that reached it of steps, bytes sent per rank, blocked and evaluation seconds and LSSR at
-    the target, and the best metric value (mean over runs)."""
+    the target, and the best metric value (mean over runs). When some row ran with replica groups, every row also
+    has ``inter_bytes``: the bytes a replica sent between replicas (rank 0's ``bytes_inter``; a row without groups,
+    every rank a replica, sent all its bytes between replicas: its ``bytes_per_rank``)."""
     by_label: dict[str, list[RunResult]] = {label: [] for label in labels}
     for r in results:
         by_label.setdefault(r.label, []).append(r)
@@ -71,6 +73,7 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
             speedup=speedup(ref, s) if label != reference else (1.0 if s.mean_s is not None else None),
             steps=_mean([o.steps for o in at]),
             bytes_per_rank=_mean([o.bytes_per_rank for o in at]),
+            inter_bytes=_mean([o.inter_bytes for o in at]),
             blocked_s=_mean([o.blocked_s for o in at]),
             eval_s=_mean([o.eval_s for o in at]),
             lssr=_mean([o.lssr for o in at]),
@@ -78,7 +81,19 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
         )
         row["summary"] = s
         rows.append(row)
+    if any(_has_inter(row) for row in rows):  # replica groups in this table: every row gets the column
+        for row in rows:
+            if "reached" in row and not _has_inter(row):
+                row["inter_bytes"] = row["bytes_per_rank"]
+    else:
+        for row in rows:
+            row.pop("inter_bytes", None)
     return rows
+
+
+def _has_inter(row: dict[str, Any]) -> bool:
+    value = row.get("inter_bytes")
+    return value is not None and not math.isnan(value)
 
 
 COLUMNS = [
@@ -90,6 +105,7 @@ COLUMNS = [
     ("speedup", "speedup vs ddp"),
     ("steps", "steps"),
     ("bytes_per_rank", "bytes sent / rank"),
+    ("inter_bytes", "bytes between replicas / replica"),  # only in tables with replica groups (:func:`table_rows`)
     ("blocked_s", "blocked s"),
     ("eval_s", "eval s"),
     ("lssr", "LSSR"),
@@ -111,7 +127,7 @@ def _fmt(key: str, value: Any, row: dict[str, Any]) -> str:
         return "–"
     if key == "speedup":
         return f"{value:.2f}x"
-    if key == "bytes_per_rank":
+    if key in ("bytes_per_rank", "inter_bytes"):
         return f"{value:,.0f}"
     if key == "steps":
         return f"{value:.0f}"
@@ -120,22 +136,29 @@ def _fmt(key: str, value: Any, row: dict[str, Any]) -> str:
     return f"{value:.4g}" if key == "best" else f"{value:.1f}"
 
 
+def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The table's columns: the bytes between replicas only when a row ran with replica groups."""
+    inter = any("inter_bytes" in row for row in rows)
+    return [(key, label) for key, label in COLUMNS if key != "inter_bytes" or inter]
+
+
 def markdown(rows: list[dict[str, Any]], target: Target) -> str:
     """The table as Markdown; a failed method's row says why."""
-    labels = [label if key != "best" else f"best {target.metric}" for key, label in COLUMNS]
-    lines = ["| " + " | ".join(labels) + " |", "|" + "---|" * len(COLUMNS)]
+    columns = _columns(rows)
+    labels = [label if key != "best" else f"best {target.metric}" for key, label in columns]
+    lines = ["| " + " | ".join(labels) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "reached" not in row:
             error = row.get("error", "no run").replace("|", "/")[:160]
-            lines.append(f"| {row['method']} | failed: {error} |" + " |" * (len(COLUMNS) - 2))
+            lines.append(f"| {row['method']} | failed: {error} |" + " |" * (len(columns) - 2))
             continue
-        lines.append("| " + " | ".join(_fmt(k, row.get(k), row) for k, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(k, row.get(k), row) for k, _ in columns) + " |")
     return "\n".join(lines)
 
 
-def legend(target: Target, seeds: int) -> str:
-    """What the table's columns mean (printed under it)."""
-    return (
+def legend(target: Target, seeds: int, rows: list[dict[str, Any]] | None = None) -> str:
+    """What the table's columns mean (printed under it); ``rows``: the table's, for its optional columns."""
+    text = (
         f"Target: {target.describe()} on the validation set. Time to target: wall seconds from the start of fit to the "
         f"end of the first evaluation that met it (evaluation included), mean over {seeds} seed(s)"
         + (" after dropping the fastest and the slowest (*)" if seeds >= 5 else "")
@@ -143,10 +166,18 @@ def legend(target: Target, seeds: int) -> str:
         "ddp's mean over the row's. Steps, bytes, blocked and evaluation seconds and LSSR are at the target (means "
         "over the runs that reached it); best: the best value of the metric over the run (mean over runs)."
     )
+    if rows is not None and any("inter_bytes" in row for row in rows):
+        text += (
+            " Bytes between replicas / replica: with replica groups (replica_size), what rank 0 — the first "
+            "replica's leader, the one rank per replica that syncs between replicas — sent outside its replica "
+            "(bytes sent / rank also counts the traffic inside the replica); a row without replica groups is one "
+            "replica per rank, and all its bytes are sent between replicas."
+        )
+    return text
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    keys = ["method", "runs"] + [k for k, _ in COLUMNS if k != "method"] + ["dropped_extremes", "error"]
+    keys = ["method", "runs"] + [k for k, _ in _columns(rows) if k != "method"] + ["dropped_extremes", "error"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
@@ -178,6 +209,9 @@ def write_runs(results: Sequence[RunResult], path: Path) -> None:
         "error",
         "run_dir",
     ]
+    inter = any(r.outcome is not None and not math.isnan(r.outcome.inter_bytes) for r in results)
+    if inter:  # replica groups in this report: the bytes sent between replicas (rank 0's)
+        keys.insert(keys.index("bytes_per_rank") + 1, "inter_bytes")
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
@@ -200,6 +234,8 @@ def write_runs(results: Sequence[RunResult], path: Path) -> None:
                     end_steps=o.end_steps,
                     first_batch=o.first_batch,
                 )
+                if inter:
+                    line["inter_bytes"] = "" if math.isnan(o.inter_bytes) else o.inter_bytes
             writer.writerow(line)
 
 

@@ -334,11 +334,14 @@ def run_one(
     cluster: Any = None,
     timeout: float | None = None,
     clock_start: float | None = None,
+    procs_per_host: int = 1,
 ) -> RunResult:
     """Run one ``fit``, streaming its per-epoch progress lines, then read what it recorded into ``result``.
 
-    With a :class:`~lightning_sync.cluster.NamespaceCluster`, one process per host is started in its namespace
-    (``num_nodes`` = hosts, one device each, torchrun-style environment); rank 0's output is streamed. ``timeout``
+    With a :class:`~lightning_sync.cluster.NamespaceCluster`, ``procs_per_host`` processes per host are started in
+    its namespace (``num_nodes`` = hosts, ``devices`` = ``procs_per_host``, torchrun-style environment; the processes
+    of one host talk over its loopback, only traffic between hosts crosses the rate-limited links); rank 0's output
+    is streamed. ``timeout``
     (seconds) kills a run that has not finished by then (its process group); what it recorded is kept, and a run
     that had not reached the target is missed."""
     from lightning_sync.launch import kill_session
@@ -365,14 +368,20 @@ def run_one(
             from lightning_sync.launch import free_port
 
             port = free_port()
-            node_cmd = [*cmd, f"--trainer.num_nodes={cluster.hosts}", "--trainer.devices=1"]
-            proc = cluster.popen(
-                0, node_cmd, cluster.env(0, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            for i in range(1, cluster.hosts):  # the other hosts' output is kept too: a failure there is explained
-                other_logs.append(run_dir / f"run.host{i}.log")
-                out = stack.enter_context(other_logs[-1].open("w"))
-                others.append(cluster.popen(i, node_cmd, cluster.env(i, port), stdout=out, stderr=subprocess.STDOUT))
+            node_cmd = [*cmd, f"--trainer.num_nodes={cluster.hosts}", f"--trainer.devices={procs_per_host}"]
+
+            def env(host: int, local: int) -> dict[str, str]:
+                return cluster.env(host, port, local_rank=local, procs_per_host=procs_per_host)
+
+            proc = cluster.popen(0, node_cmd, env(0, 0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(cluster.hosts):  # the other processes' output is kept too: a failure there is explained
+                for local in range(procs_per_host):
+                    if (i, local) == (0, 0):
+                        continue
+                    name = f"run.host{i}.log" if procs_per_host == 1 else f"run.host{i}.proc{local}.log"
+                    other_logs.append(run_dir / name)
+                    out = stack.enter_context(other_logs[-1].open("w"))
+                    others.append(cluster.popen(i, node_cmd, env(i, local), stdout=out, stderr=subprocess.STDOUT))
         assert proc.stdout is not None
         timer = None
         if timeout is not None:

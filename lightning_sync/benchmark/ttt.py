@@ -70,6 +70,10 @@ class Outcome:
     #: evaluation, at the target (or at the end of the run when it was missed)
     steps: float = math.nan
     bytes_per_rank: float = math.nan
+    #: with replica groups (``replica_size``): what rank 0 — the first replica's leader — sent between replicas
+    #: (``bytes_inter``: the method's syncs and every rank's control traffic, not the traffic inside the replica);
+    #: NaN for a run without replica groups
+    inter_bytes: float = math.nan
     blocked_s: float = math.nan
     lssr: float = math.nan
     eval_s: float = math.nan
@@ -115,6 +119,7 @@ def outcome(records: Sequence[dict[str, Any]], target: float | None = None, mode
         time_s=float(hit["wall_s"]) if hit is not None else None,
         steps=float(at["step"]) if at is not None else math.nan,
         bytes_per_rank=float(comm.get("bytes_sent", math.nan)),
+        inter_bytes=float(comm.get("bytes_inter", math.nan)),
         blocked_s=float(comm.get("blocked_s", math.nan)),
         lssr=float(comm.get("lssr", math.nan)),
         eval_s=sum(float(r.get("eval_s", 0.0)) for r in eval_upto) if eval_upto else math.nan,

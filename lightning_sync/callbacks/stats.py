@@ -26,6 +26,10 @@ class SyncStats(Callback):
     ``bytes_sent``            bytes this rank sent for training (all tags but setup/checkpoint/verify)
     ``bytes_<tag>``           bytes per tag: ``params``, ``grads``, ``vote``, ``lightning`` (Lightning's own
                               collectives: ``sync_dist`` logging, barriers), ``setup``, ``checkpoint``...
+    ``bytes_intra``           with replica groups (``replica_size``): training bytes sent inside the replica
+                              (tags ``intra/<tag>``); ``blocked_intra_s`` the seconds blocked there
+    ``bytes_inter``           with replica groups: the rest, sent between replicas (``blocked_inter_s``); the
+                              two add up to ``bytes_sent``
     ``collectives``           collectives issued for training; ``blocking_collectives`` those waited on at once
     ``blocked_s``             seconds the training thread was blocked in communication (emulated delay included)
     ``wall_s``                seconds since training started (rank 0's clock)

@@ -8,6 +8,19 @@ from typing import Any
 
 #: Tags that are not training communication: the initial broadcast and checkpoint-state gathering.
 BOOKKEEPING_TAGS = frozenset({"setup", "checkpoint", "verify"})
+#: The level of the traffic inside a replica group (``SyncStrategy(replica_size=...)``): recorded as
+#: ``"intra/<tag>"`` by the intra-replica communicator; every other tag is traffic between replicas
+INTRA = "intra"
+
+
+def is_bookkeeping(tag: str) -> bool:
+    """Whether ``tag`` (``"<tag>"`` or ``"<level>/<tag>"``) is bookkeeping rather than training traffic."""
+    return tag.rpartition("/")[2] in BOOKKEEPING_TAGS
+
+
+def is_intra(tag: str) -> bool:
+    """Whether ``tag`` was recorded by an intra-replica communicator (``"intra/<tag>"``)."""
+    return tag.startswith(INTRA + "/")
 
 
 class CommStats:
@@ -47,26 +60,49 @@ class CommStats:
         with self._lock:
             self.blocked_seconds[tag] += seconds
 
+    def level(self, name: str) -> LevelStats:
+        """A view that records into these totals under ``"<name>/<tag>"`` (a communicator of another network
+        level: :data:`INTRA`, the ranks of one replica group)."""
+        return LevelStats(self, name)
+
     def total_bytes(self, include_bookkeeping: bool = False) -> int:
-        return sum(v for k, v in self.bytes_sent.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+        return sum(v for k, v in self.bytes_sent.items() if include_bookkeeping or not is_bookkeeping(k))
 
     def total_ops(self, include_bookkeeping: bool = False) -> int:
-        return sum(v for k, v in self.ops.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+        return sum(v for k, v in self.ops.items() if include_bookkeeping or not is_bookkeeping(k))
 
     def total_blocking(self, include_bookkeeping: bool = False) -> int:
-        return sum(v for k, v in self.blocking.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+        return sum(v for k, v in self.blocking.items() if include_bookkeeping or not is_bookkeeping(k))
 
     def total_blocked_seconds(self, include_bookkeeping: bool = False) -> float:
-        return sum(v for k, v in self.blocked_seconds.items() if include_bookkeeping or k not in BOOKKEEPING_TAGS)
+        return sum(v for k, v in self.blocked_seconds.items() if include_bookkeeping or not is_bookkeeping(k))
+
+    @property
+    def has_levels(self) -> bool:
+        """Whether any traffic was recorded inside a replica group (``"intra/<tag>"``)."""
+        with self._lock:
+            return any(is_intra(k) for k in self.ops)
 
     def summary(self) -> dict[str, float]:
-        """Flat metrics: training totals plus per-tag bytes (``bytes_<tag>``)."""
+        """Flat metrics: training totals plus per-tag bytes (``bytes_<tag>``). With replica groups also the training
+        totals per level: ``bytes_intra`` / ``blocked_intra_s`` (inside the replica, tags ``intra/<tag>``) and
+        ``bytes_inter`` / ``blocked_inter_s`` (every other tag: between replicas)."""
         out: dict[str, float] = {
             "bytes_sent": float(self.total_bytes()),
             "collectives": float(self.total_ops()),
             "blocking_collectives": float(self.total_blocking()),
             "blocked_s": self.total_blocked_seconds(),
         }
+        if self.has_levels:
+            with self._lock:
+                sent, blocked = dict(self.bytes_sent), dict(self.blocked_seconds)
+            for name, inside in (("intra", True), ("inter", False)):
+                out[f"bytes_{name}"] = float(
+                    sum(v for k, v in sent.items() if is_intra(k) == inside and not is_bookkeeping(k))
+                )
+                out[f"blocked_{name}_s"] = sum(
+                    v for k, v in blocked.items() if is_intra(k) == inside and not is_bookkeeping(k)
+                )
         for tag, value in sorted(self.bytes_sent.items()):
             out[f"bytes_{tag}"] = float(value)
         return out
@@ -96,3 +132,21 @@ class CommStats:
         self.ops = defaultdict(int, state["ops"])
         self.blocking = defaultdict(int, state["blocking"])
         self.blocked_seconds = defaultdict(float, state["blocked_seconds"])
+
+
+class LevelStats:
+    """What a communicator of another network level records into: the same :class:`CommStats`, every tag as
+    ``"<level>/<tag>"`` (:meth:`CommStats.level`)."""
+
+    def __init__(self, stats: CommStats, level: str) -> None:
+        self.stats = stats
+        self.prefix = f"{level}/"
+
+    def record_launch(self, tag: str, nbytes: int, blocking: bool) -> None:
+        self.stats.record_launch(self.prefix + tag, nbytes, blocking)
+
+    def record_blocked(self, tag: str, seconds: float) -> None:
+        self.stats.record_blocked(self.prefix + tag, seconds)
+
+    def level(self, name: str) -> LevelStats:
+        return LevelStats(self.stats, name)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sync.comm.accounting import CommStats
+from lightning_sync.comm.accounting import CommStats, LevelStats
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, compressed_allreduce_bytes
 from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
@@ -50,9 +50,11 @@ class CommHandle:
         transfer: tuple[LinkClock, int] | None = None,
         on_complete: Callable[[], None] | None = None,
         what: str = "an asynchronous operation",
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self._work = work
         self._what = what
+        self._ranks = ranks  # the global ranks of the operation's group (None: every rank), for a failure's diagnosis
         self._stats = stats
         self._tag = tag
         self._transfer = transfer  # (clock, transfer id) under link emulation
@@ -76,7 +78,7 @@ class CommHandle:
             return
         start = time.perf_counter()
         if self._work is not None:
-            with failures(self._what):
+            with failures(self._what, self._ranks):
                 self._work.wait()
         if self._transfer is not None:
             clock, key = self._transfer
@@ -166,7 +168,11 @@ class Communicator:
     """
 
     def __init__(
-        self, stats: CommStats, link: LinkModel | None = None, group: Any = None, clock: LinkClock | None = None
+        self,
+        stats: CommStats | LevelStats,
+        link: LinkModel | None = None,
+        group: Any = None,
+        clock: LinkClock | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Communicator needs an initialised torch.distributed default process group")
@@ -177,6 +183,8 @@ class Communicator:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        #: the group's global ranks (None: the default group, every rank): who a failed operation can name as gone
+        self.ranks: list[int] | None = None if group is None else list(dist.get_process_group_ranks(group))
         self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
         self._drivers: dict[str, _Driver] = {}  # by the backend of the driver's group
@@ -194,16 +202,24 @@ class Communicator:
         assert comm is not None
         return comm
 
-    def subgroup(self, ranks: Sequence[int], backend: str | None = None) -> Communicator | None:
+    def subgroup(
+        self, ranks: Sequence[int], backend: str | None = None, level: str | None = None, link: LinkModel | None = None
+    ) -> Communicator | None:
         """A communicator over ``ranks`` (global ranks, same accounting and link); ``None`` on the other ranks.
         Every rank of the world calls this at the same point with the same ``ranks`` (group creation is collective
-        over the world; gloo hangs when only the members create groups in different orders)."""
+        over the world; gloo hangs when only the members create groups in different orders).
+
+        ``level`` (e.g. ``"intra"``: the ranks of one replica group) makes it a communicator of another network
+        level: its operations are recorded in the same totals under ``"<level>/<tag>"`` and emulated on ``link``
+        with a clock of their own (``None``: not emulated) instead of this communicator's link."""
         members = sorted(set(ranks))
         # new_group's default timeout is torch's (30 min), not the one the default group was given
         group = dist.new_group(ranks=members, backend=backend or self.backend, timeout=default_timeout())
-        return (
-            Communicator(self.stats, self.link, group=group, clock=self.clock) if dist.get_rank() in members else None
-        )
+        if dist.get_rank() not in members:
+            return None
+        if level is None:
+            return Communicator(self.stats, self.link, group=group, clock=self.clock)
+        return Communicator(self.stats.level(level), link, group=group)
 
     def destroy(self) -> None:
         """Destroy this communicator's own group (never the default group), and its driver's."""
@@ -219,6 +235,10 @@ class Communicator:
             driver.close()
 
     # ------------------------------------------------------------------ internals
+    def _src(self, src: int) -> dict[str, int]:
+        """A broadcast's source: the global rank over the default group, the rank in the group over a subgroup."""
+        return {"src": src} if self.group is None else {"group_src": src}
+
     def _emulate(self, nbytes: int) -> None:
         """A real collective has returned: wait for the device, then for its emulated transfer (sharing this rank's
         link with any transfer in flight)."""
@@ -244,7 +264,7 @@ class Communicator:
         finish = (lambda: tensor.div_(self.world_size)) if op == "avg" and self.world_size > 1 else None
         start = time.perf_counter()
         what = f"all_reduce ({tag})"
-        with failures(what):
+        with failures(what, self.ranks):
             work = (
                 dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
                 if self.world_size > 1
@@ -252,7 +272,7 @@ class Communicator:
             )
         if async_op:
             transfer = (self.clock, self.clock.start(nbytes, start)) if self.clock is not None else None
-            return CommHandle(work, self.stats, tag, transfer, finish, what=f"asynchronous {what}")
+            return CommHandle(work, self.stats, tag, transfer, finish, what=f"asynchronous {what}", ranks=self.ranks)
         self._finish_blocking(tag, start, nbytes)
         if finish is not None:
             finish()
@@ -318,8 +338,8 @@ class Communicator:
             job = driver.submit(
                 lambda: driver.comm._compressed(tensor, compressor, div, feedback, contribute, tag, (a2a, ag))
             )
-            return CommHandle(job, self.stats, tag, what=f"asynchronous {what}")
-        with failures(what):
+            return CommHandle(job, self.stats, tag, what=f"asynchronous {what}", ranks=self.ranks)
+        with failures(what, self.ranks):
             self._compressed(tensor, compressor, div, feedback, contribute, tag, (a2a, ag))
         handle = CommHandle(None, self.stats, tag)
         handle._done = True
@@ -386,23 +406,24 @@ class Communicator:
         def run() -> None:
             prepare()
             if self.world_size > 1:
-                with failures(what):
+                with failures(what, self.ranks):
                     dist.all_reduce(tensor, op=_OPS[op], group=driver.comm.group)
                 driver.comm._emulate(nbytes)
             if op == "avg" and self.world_size > 1:
                 tensor.div_(self.world_size)
 
-        return CommHandle(driver.submit(run), self.stats, tag, what=f"asynchronous {what}")
+        return CommHandle(driver.submit(run), self.stats, tag, what=f"asynchronous {what}", ranks=self.ranks)
 
     def broadcast(self, tensor: Tensor, src: int = 0, tag: str = "other") -> None:
-        """Blocking broadcast. Every rank's emulated delay is charged on the payload: each rank receives or
-        sends it at least once, whatever its share of the tree's sends."""
+        """Blocking broadcast from ``src``, a rank of this communicator's group (the global rank over the default
+        group). Every rank's emulated delay is charged on the payload: each rank receives or sends it at least once,
+        whatever its share of the tree's sends."""
         payload = tensor.numel() * tensor.element_size()
         self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
-            with failures(f"broadcast ({tag})"):
-                dist.broadcast(tensor, src=src, group=self.group)
+            with failures(f"broadcast ({tag})", self.ranks):
+                dist.broadcast(tensor, group=self.group, **self._src(src))
         self._finish_blocking(tag, start, payload if self.world_size > 1 else 0)
 
     def all_gather(self, tensor: Tensor, tag: str = "other") -> Tensor:
@@ -412,7 +433,7 @@ class Communicator:
         self.stats.record_launch(tag, nbytes, blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
-            with failures(f"all_gather ({tag})"):
+            with failures(f"all_gather ({tag})", self.ranks):
                 dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group)
         else:
             out[0].copy_(tensor)
@@ -426,7 +447,7 @@ class Communicator:
         nbytes = allgather_bytes(tensor.numel() * tensor.element_size(), self.world_size)
         self.stats.record_launch(tag, nbytes, blocking=True)
         start = time.perf_counter()
-        with failures(f"all_gather ({tag})"):
+        with failures(f"all_gather ({tag})", self.ranks):
             out = torch.stack(_ag(tensor, group=self.group or dist.group.WORLD))
         self._finish_blocking(tag, start, nbytes)
         return out
@@ -438,7 +459,7 @@ class Communicator:
         start = time.perf_counter()
         out: list[Any] = [None] * self.world_size
         if self.world_size > 1:
-            with failures(f"all_gather_object ({tag})"):
+            with failures(f"all_gather_object ({tag})", self.ranks):
                 dist.all_gather_object(out, obj, group=self.group)
         else:
             out[0] = obj
@@ -451,8 +472,8 @@ class Communicator:
         start = time.perf_counter()
         box = [obj]
         if self.world_size > 1:
-            with failures(f"broadcast_object ({tag})"):
-                dist.broadcast_object_list(box, src=src, group=self.group)
+            with failures(f"broadcast_object ({tag})", self.ranks):
+                dist.broadcast_object_list(box, group=self.group, **self._src(src))
         payload = len(pickle.dumps(box[0])) + 8 if self.world_size > 1 else 0
         self.stats.record_launch(tag, broadcast_bytes(payload, self.world_size, self.rank, src), blocking=True)
         self._finish_blocking(tag, start, payload)
@@ -462,7 +483,7 @@ class Communicator:
         self.stats.record_launch(tag, 0, blocking=True)
         start = time.perf_counter()
         if self.world_size > 1:
-            with failures(f"barrier ({tag})"):
+            with failures(f"barrier ({tag})", self.ranks):
                 if self._cuda:
                     dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
                 else:

@@ -9,7 +9,9 @@
   the store: a peer that posted a report is quoted (``Rank 1 failed: RuntimeError: ...``); a peer that posted
   nothing within a short grace period, while every survivor marks itself as such, ``stopped without reporting an
   error`` (killed, crashed or hung); a store that cannot be reached means the process hosting it is gone (rank 0
-  under ``MASTER_ADDR``/``MASTER_PORT`` rendezvous).
+  under ``MASTER_ADDR``/``MASTER_PORT`` rendezvous). An operation over a subgroup names only silent members of that
+  group (a rank outside it may be blocked on this one, e.g. on a replica group's leader, and cannot notice before
+  this rank goes); a survivor whose group's members all reported takes over the diagnosis one of them posted.
 
 **At exit.** A rank that reported a failure or raised :class:`PeerFailure` lingers when its interpreter exits (an
 ``atexit`` hook, at most :data:`LINGER_S`): it destroys its gloo process groups, so peers blocked in a collective
@@ -33,7 +35,7 @@ import atexit
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -45,7 +47,7 @@ MAX_GRACE_S = 5.0
 #: longest wait at exit, after a failure, for the other ranks to read this rank's report (see the module docstring)
 LINGER_S = 10.0
 _KEY = "lightning_sync/fault/{}"
-_PRIMARY, _SECONDARY = "primary", "secondary"
+_PRIMARY, _SECONDARY, _DIAGNOSED = "primary", "secondary", "diagnosed"
 # lower-case fragments of the errors gloo, NCCL and the TCPStore raise when a peer is gone or an operation timed out
 _SIGNS = (
     "connection closed",
@@ -255,17 +257,20 @@ def report_failure(exception: BaseException) -> None:
         pass
 
 
-def peer_failure(what: str, err: BaseException) -> PeerFailure:
+def peer_failure(what: str, err: BaseException, among: Sequence[int] | None = None) -> PeerFailure:
     """The :class:`PeerFailure` to raise on this rank because ``what`` failed with ``err`` (a comm failure).
 
     Reads the other ranks' reports, marks this rank as a survivor in the store, then reads again until one
     reported an error, every other rank marked itself a survivor, or the grace period (a quarter of the timeout, at
-    most :data:`MAX_GRACE_S`) is over; ranks that said nothing by then are named as gone.
+    most :data:`MAX_GRACE_S`) is over; ranks that said nothing by then are named as gone. ``among``: the global ranks
+    of the failed operation's group (default: every rank): only they are waited for and can be named as gone; when
+    all of them reported, the diagnosis one of them posted (the rank this one was blocked on) is taken over.
     """
     global _last
     if not (dist.is_available() and dist.is_initialized()):
         return PeerFailure(f"{what} failed with {_short(err)} (no process group left to ask)", -1, [], {})
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    peers = [r for r in (sorted(set(among)) if among is not None else range(world_size)) if r != rank]
     noticed = f"Rank {rank} stops: {what} failed with {_short(err)}"
     if _last is not None:
         head, failed_ranks, known = _last
@@ -282,7 +287,7 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
             store.set_timeout(timedelta(seconds=grace + 1.0))  # a hung store host must not hold this rank
             reports = _read(store, rank, world_size)  # before the mark: a failed rank lingers until it is seen
             _post(store, rank, _SECONDARY, noticed)
-            while not (any(kind == _PRIMARY for kind, _ in reports.values()) or len(reports) == world_size - 1):
+            while not (any(kind == _PRIMARY for kind, _ in reports.values()) or all(r in reports for r in peers)):
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
@@ -301,8 +306,12 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
         head = " ".join(f"Rank {r} failed: {_sentence(text)}" for r, text in sorted(failed.items()))
         failed_ranks = sorted(failed)
     else:
-        silent = [r for r in range(world_size) if r != rank and r not in reports]
-        if silent:
+        silent = [r for r in peers if r not in reports]
+        diagnosed = [text.partition("\n") for r, (kind, text) in sorted(reports.items()) if kind == _DIAGNOSED]
+        if not silent and diagnosed and diagnosed[0][0]:  # blocked on a survivor: its diagnosis is the cause
+            named, _, head = diagnosed[0]
+            silent = [int(r) for r in named.split(",")]
+        elif silent:
             names = ", ".join(str(r) for r in silent)
             head = (
                 f"Rank{'s' if len(silent) > 1 else ''} {names} stopped without reporting an error (killed, crashed "
@@ -311,15 +320,19 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
         else:
             head = (
                 "No rank reported an error; every other rank also saw an operation fail ("
-                + "; ".join(text for _, (_, text) in sorted(reports.items()))
+                + "; ".join(
+                    text.partition("\n")[2] if kind == _DIAGNOSED else text
+                    for kind, text in (reports[r] for r in sorted(reports))
+                )
                 + ")."
             )
         failed_ranks = silent
     known = {r: failed.get(r, "no report") for r in failed_ranks}
     failure = PeerFailure(f"{head} {noticed}", rank, failed_ranks, known)
     if unreachable is None and store is not None:
-        try:
-            _post(store, rank, _SECONDARY, str(failure))
+        try:  # the diagnosis, for a rank blocked on this one (it notices only when this one is gone)
+            named = ",".join(str(r) for r in failed_ranks) if not failed else ""
+            _post(store, rank, _DIAGNOSED, f"{named}\n{failure}")
         except Exception:  # noqa: BLE001
             pass
     _last = (head, failed_ranks, known)
@@ -328,11 +341,12 @@ def peer_failure(what: str, err: BaseException) -> PeerFailure:
 
 
 @contextmanager
-def failures(what: str) -> Iterator[None]:
-    """Turn a comm failure raised inside the block into a :class:`PeerFailure` (other errors pass through)."""
+def failures(what: str, among: Sequence[int] | None = None) -> Iterator[None]:
+    """Turn a comm failure raised inside the block into a :class:`PeerFailure` (other errors pass through);
+    ``among``: the global ranks of the operation's group (default: every rank)."""
     try:
         yield
     except RuntimeError as err:
         if not is_comm_failure(err):
             raise
-        raise peer_failure(what, err) from err
+        raise peer_failure(what, err, among) from err

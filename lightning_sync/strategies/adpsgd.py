@@ -23,7 +23,8 @@ class ADPSGDStrategy(SyncStrategy):
     * Warm-up: period 1 for the first ``warmup_epochs`` epochs (§IV-B), no statistic.
     * Then Alg. 2 with :math:`p = p_{init}`: when ``cnt`` reaches :math:`p`, average parameters and buffers (one
       all-reduce), then :math:`S_k = \frac1n \sum_i \|w_i - \bar w\|^2` over the parameters (each rank's squared
-      distance to the average, one counted scalar all-reduce, tag ``"stat"``).
+      distance to the average, one counted scalar all-reduce, tag ``"stat"``; with replica groups :math:`n` is the
+      number of replicas and each replica's distance counts once).
     * Sampling phase (the first ``sample_fraction`` of all training steps): :math:`C_2` = running average of
       :math:`S_k/\gamma_k`, with :math:`\gamma_k` the optimizer's current learning rate (first parameter group), so
       LR schedules matter as in the paper.
@@ -145,8 +146,9 @@ class ADPSGDStrategy(SyncStrategy):
                 local.add_(torch.dot(buf, buf).double().to(local.device))
 
         self.average_state(tag="params", on_mean=deviation_from_the_mean)
-        self.comm.all_reduce(local, op="sum", tag="stat")
-        return mean_squared_deviation(float(local.item()), self.world_size)
+        # one value per replica (with replica groups, over the leaders and broadcast in the replica)
+        self._all_reduce_over_replicas(local, op="sum", tag="stat")
+        return mean_squared_deviation(float(local.item()), self.num_replicas)
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()

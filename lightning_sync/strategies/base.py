@@ -18,6 +18,7 @@ concern each: :mod:`~lightning_sync.strategies.launcher` (registered names, laun
 :mod:`~lightning_sync.strategies.compressed` (the compressed paths of the two averages),
 :mod:`~lightning_sync.strategies.outer` (the outer optimizer of parameter averaging),
 :mod:`~lightning_sync.strategies.overlap` (the gradient all-reduce overlapped with backward),
+:mod:`~lightning_sync.strategies.replicas` (replica groups: exact data parallelism inside a replica of several ranks),
 :mod:`~lightning_sync.strategies.training_data` (data injection, loader transforms),
 :mod:`~lightning_sync.strategies.collectives` (Lightning's collectives, counted) and
 :mod:`~lightning_sync.strategies.sigterm` (the SIGTERM check, listening to every rank); argument and setup checks
@@ -65,6 +66,7 @@ from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
 from lightning_sync.strategies.outer import OuterAveraging
 from lightning_sync.strategies.overlap import OverlappedGrads
+from lightning_sync.strategies.replicas import ReplicaGroups, ReplicaSize, check_replica_size
 from lightning_sync.strategies.sigterm import SigtermCheck
 from lightning_sync.strategies.training_data import DataLoaderTransform, TrainingData
 
@@ -80,6 +82,7 @@ class SyncStrategy(
     CompressedAveraging,
     OuterAveraging,
     OverlappedGrads,
+    ReplicaGroups,
     TrainingData,
     PerRankCheckpointing,
     CountedCollectives,
@@ -107,6 +110,16 @@ class SyncStrategy(
             parameter server's pushes and pulls (:mod:`lightning_sync.comm.compression`). Sums are taken in fp32.
             Small control collectives (votes, statistics, SIGTERM flags), floating buffers averaged with gradients,
             the setup broadcast, checkpoints and the parameter server's meeting-point gathers stay exact.
+        replica_size: what one replica is: ``None`` (default: every rank, the flat behaviour), ``"node"`` (the ranks
+            of one node, Lightning's ``devices``) or an integer >= 1 (that many consecutive global ranks; it must
+            divide the world size, checked at setup). With replicas of several ranks, the ranks of a replica average
+            their gradients every step (BSP's bucketed all-reduce overlapped with backward, exact: they stay
+            bit-identical) and the method synchronises the replicas, on each replica's first rank over a group of
+            those, then a broadcast inside the replica (:mod:`~lightning_sync.strategies.replicas`). ``link`` then
+            emulates the link between replicas only. Refused by the methods that cannot run so (the parameter-server
+            family, Sync-Switch, OSP), saying why.
+        intra_link: emulate the link inside a replica group (a :class:`~lightning_sync.comm.LinkModel`,
+            ``"100gbit"``...; default none); needs replica groups (checked at setup).
         sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
             and the loggers) when the Trainer has none; ``False`` adds nothing.
         start_method: how Lightning launches processes when it launches them, as for its ``ddp``: ``"popen"``
@@ -142,6 +155,13 @@ class SyncStrategy(
 
     Set :attr:`replicas_diverge`, :attr:`carries_sigterm`, :attr:`supports_accumulation` and :attr:`averages_for_eval`
     to match the method; with compression, :meth:`_averages_state` says whether it averages parameters.
+
+    **Replica groups** (``replica_size``, :mod:`~lightning_sync.strategies.replicas`): the base averages the gradients
+    inside each replica before :meth:`_after_backward`, and :meth:`average_state` / :meth:`average_grads` then average
+    the replicas. A method that runs grouped counts replicas, not ranks (:attr:`num_replicas`,
+    :attr:`replica_index`; ``participants`` are replica indices) and sends any other value with one value per
+    replica through ``_all_reduce_over_replicas`` / ``_average_over_replicas``; one that cannot sets
+    :attr:`replica_groups_refusal` to the reason (``replica_size`` is then refused at construction).
     :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example (walked through in
     ``docs/architecture.md``, with the life of one step).
     """
@@ -177,6 +197,8 @@ class SyncStrategy(
         injection_seed: int = 0,
         compression: str | None = None,
         sync_stats: bool = True,
+        replica_size: ReplicaSize = None,
+        intra_link: LinkModel | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -187,6 +209,16 @@ class SyncStrategy(
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         link = check_link(link)
+        replica_size = check_replica_size(replica_size)
+        intra_link = check_link(intra_link, "intra_link")
+        if self.replica_groups_refusal is not None:
+            for name, value in (("replica_size", replica_size), ("intra_link", intra_link)):
+                if value is not None:
+                    raise ValueError(
+                        f"{name} must be None for {type(self).__name__}: {self.replica_groups_refusal} Use "
+                        f"{name}=None (every rank a replica), or a method that runs with replica groups (bsp, "
+                        "localsgd, fedavg, adpsgd, diloco, selsync)."
+                    )
         check_bool("verify_sync", verify_sync)
         check_bool("sync_stats", sync_stats)
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
@@ -207,6 +239,8 @@ class SyncStrategy(
         check_ddp_arguments(**ddp_arguments)
         super().__init__(**ddp_arguments)
         self.link: LinkModel | None = link
+        self.replica_size = replica_size
+        self.intra_link: LinkModel | None = intra_link
         #: ``LIGHTNING_SYNC_VERIFY=1`` in the environment turns the check on for every strategy (a test mode: run
         #: a whole suite or job with the invariants checked at every sync without editing its configuration)
         self.verify_sync = verify_sync or os.environ.get(VERIFY_ENV, "0") not in ("", "0")
@@ -260,7 +294,9 @@ class SyncStrategy(
         self._forget_launch_summary()
         super().setup_environment()
         destroy_groups_at_exit()  # torchrun, SLURM, a cluster host: the group outlives fit, not the process
+        self.ranks_per_replica = self._resolve_replica_size()  # raises before any collective (a peer stops alike)
         self._comm = Communicator(self.comm_stats, self.link)
+        self._setup_replica_groups()
         self._add_sync_stats()
 
     def _add_sync_stats(self) -> None:
@@ -317,6 +353,7 @@ class SyncStrategy(
             try:
                 result = closure()
                 self._last_loss = result
+                self._average_in_replica()  # replica groups: the replica's ranks average their gradients, exactly
                 self._after_backward(optimizer)
             except BaseException:
                 self._abandon_grad_buckets()
@@ -380,9 +417,27 @@ class SyncStrategy(
         \text{mean}`, an outer SGD step on :math:`\theta_{global}`, and every rank takes the new
         :math:`\theta_{global}`. Floating buffers (BatchNorm statistics) keep the plain mean. ``on_mean`` is called
         while the flat buffers hold the mean, before that step (ADPSGD measures the replicas' spread there).
+
+        With replica groups the replicas are averaged, not the ranks: ``participants`` are replica indices, the
+        all-reduce runs over the replicas' first ranks and its result is broadcast inside each replica.
         """
         tensors = self.flat.state_tensors()
-        if self.compressor is not None and self.world_size > 1:
+        self._average_tensors(tensors, tag, participants)
+        if on_mean is not None:
+            on_mean()
+        self._outer_step(tensors)
+        if self.verify_sync:
+            self._verify(tensors, "parameters and buffers")
+        self._record_synced()  # evaluate="last_sync": every rank holds the global model now
+        self._mark_in_sync()  # and validation before the next step needs no average
+
+    def _average_tensors(self, tensors: list[Tensor], tag: str, participants: list[int] | None = None) -> None:
+        """The communication of :meth:`average_state` on ``tensors`` (the flat state, or DiLoCo's fragment): every
+        rank (replica, with replica groups) takes the mean of the participants' values; compressed with
+        :attr:`compressor`."""
+        if self.grouped:
+            self._average_state_over_replicas(tensors, tag, participants)
+        elif self.compressor is not None and self.world_size > 1:
             self._average_state_compressed(tensors, tag, participants)
         elif participants is None or len(participants) == self.world_size:
             self.comm.all_reduce_many(tensors, op="avg", tag=tag)
@@ -395,13 +450,30 @@ class SyncStrategy(
             self.comm.all_reduce_many(tensors, op="sum", tag=tag)
             for t in tensors:
                 t.div_(len(participants))
-        if on_mean is not None:
-            on_mean()
-        self._outer_step(tensors)
-        if self.verify_sync:
-            self._verify(tensors, "parameters and buffers")
-        self._record_synced()  # evaluate="last_sync": every rank holds the global model now
-        self._mark_in_sync()  # and validation before the next step needs no average
+
+    def _average_state_over_replicas(self, tensors: list[Tensor], tag: str, participants: list[int] | None) -> None:
+        """:meth:`_average_tensors` with replica groups: the leaders average (``participants``: replica indices;
+        compressed as flat, over the leaders), then every rank of a replica takes its leader's result."""
+        replicas = self.num_replicas
+        if participants is not None and not participants:
+            raise ValueError("participants must name at least one replica")
+        if replicas == 1:
+            return
+        inter = self._inter
+        if inter is not None:
+            if self.compressor is not None:
+                self._average_state_compressed(tensors, tag, participants, inter, self.replica_index)
+            elif participants is None or len(participants) == replicas:
+                inter.all_reduce_many(tensors, op="avg", tag=tag)
+            else:
+                if self.replica_index not in participants:
+                    for t in tensors:
+                        t.zero_()
+                inter.all_reduce_many(tensors, op="sum", tag=tag)
+                for t in tensors:
+                    t.div_(len(participants))
+        self._share_in_replica(tensors, tag)
+        self._take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
@@ -412,7 +484,19 @@ class SyncStrategy(
         With :attr:`verify_sync`, the averaged gradients are checked at once; with ``verify_update=True`` as well
         (methods whose replicas are identical before the step, e.g. BSP) the parameters and buffers are checked
         again after the optimizer applied them, on the same ranks.
+
+        With replica groups the gradients were averaged inside the replica after backward already; this averages the
+        replicas' gradients: over the leaders (compressed with :attr:`compressor`), then broadcast in each replica.
         """
+        if self.grouped:
+            if comm is not None and comm is not self.comm:
+                raise RuntimeError(f"{type(self).__name__}: average_grads over a subgroup has no replica-group form")
+            tensors = self._average_grads_over_replicas(tag)
+            if self.verify_sync:
+                self._verify(tensors, "gradients and buffers", self.comm)
+                if verify_update:
+                    self._verify_after_update = self.comm
+            return
         comm = comm if comm is not None else self.comm
         flat = self.flat
         # launched bucket by bucket during backward if _overlap_grads announced this call: launch the rest, wait
@@ -428,6 +512,26 @@ class SyncStrategy(
             self._verify(tensors, "gradients and buffers", comm)
             if verify_update:
                 self._verify_after_update = comm
+
+    def _average_grads_over_replicas(self, tag: str) -> list[Tensor]:
+        """:meth:`average_grads` with replica groups (the gradients are the replica's average already)."""
+        flat = self.flat
+        if self.num_replicas == 1:
+            return flat.grad_tensors()
+        if self.compressor is not None:
+            if self._inter is not None:
+                tensors = self._average_grads_compressed(self._inter, tag)  # buffers exact, beside the gradients
+            else:
+                tensors = flat.grad_tensors(with_buffers=False) + [g.buffers for g in flat.groups if g.buffer_numel]
+            self._share_in_replica(tensors, tag)
+            return tensors
+        flat.stage_buffers()
+        tensors = flat.grad_tensors()
+        if self._inter is not None:
+            self._inter.all_reduce_many(tensors, op="avg", tag=tag)
+        self._share_in_replica(tensors, tag)
+        flat.unstage_buffers()
+        return tensors
 
     def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
         comm = comm if comm is not None else self.comm
@@ -498,6 +602,7 @@ class SyncStrategy(
         if self._grad_buckets is not None:
             self._grad_buckets.remove()
             self._grad_buckets = None
+        self._teardown_replica_groups()
         if self._comm is not None:
             self._comm.close()  # the driver thread of asynchronous compressed all-reduces, if one was started
         self._flat = None

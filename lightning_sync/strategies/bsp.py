@@ -21,6 +21,11 @@ class BSPStrategy(SyncStrategy):
     counted and link-emulated exactly like every other method's. The floating buffers travel with the gradients
     (BatchNorm statistics are averaged every step).
 
+    With replica groups (``replica_size``) it is a two-level all-reduce: the buckets average over the replica's ranks
+    during backward, then the replicas' gradient is averaged over their first ranks (after backward, not overlapped;
+    compressed with ``compression``) and broadcast inside each replica — equal to the flat all-reduce in exact
+    arithmetic, with the flat bytes on R ranks between replicas.
+
     Args:
         bucket_cap_mb: bucket size in MiB (DDP's argument, default 25), a number > 0; ``None`` all-reduces the
             whole gradient buffer once after backward (no overlap).
@@ -42,6 +47,7 @@ class BSPStrategy(SyncStrategy):
         **kwargs: Any,
     ) -> None:
         self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
+        self.intra_bucket_cap_mb = self.bucket_cap_mb  # replica groups: the buckets of the average inside a replica
         self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
         if self.find_unused_parameters and self.bucket_cap_mb is None:
             raise ValueError(

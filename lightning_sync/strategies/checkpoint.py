@@ -110,6 +110,7 @@ class PerRankCheckpointing:
             "world_size": self.world_size,
             "per_rank_model": self.replicas_diverge,
             "checkpoint_id": ckpt_id,
+            "ranks_per_replica": self.ranks_per_replica,
         }
         if self.is_global_zero:
             save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
@@ -136,6 +137,13 @@ class PerRankCheckpointing:
             raise ValueError(
                 f"checkpoint {checkpoint_path} holds per-rank state for world size {saved['world_size']}; this run "
                 f"has world size {self.world_size}. Resume with the same number of processes."
+            )
+        grouping = saved.get("ranks_per_replica", 1)  # absent in checkpoints written before replica groups
+        if grouping != self.ranks_per_replica:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} was written with {grouping} rank(s) per replica; this run has "
+                f"{self.ranks_per_replica} (replica_size={self.replica_size!r}). Resume with the replica_size the "
+                "checkpoint was written with: each rank's part holds its replica's state."
             )
         part_path = self.rank_file(checkpoint_path, self.global_rank)
         try:

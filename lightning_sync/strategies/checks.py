@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
-def check_link(link: Any) -> LinkModel | None:
+def check_link(link: Any, name: str = "link") -> LinkModel | None:
     if link is None or isinstance(link, LinkModel):
         return link
-    allowed = "link must be a LinkModel, a string 'BANDWIDTH[,LATENCY]' such as '1gbit,1ms', or None"
+    allowed = f"{name} must be a LinkModel, a string 'BANDWIDTH[,LATENCY]' such as '1gbit,1ms', or None"
     if not isinstance(link, str):
         raise ValueError(f"{allowed}; got {link!r}")
     try:

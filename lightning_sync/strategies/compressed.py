@@ -46,12 +46,21 @@ class CompressedAveraging:
         if self._averages_state() and self.world_size > 1:
             self._reference = [t.detach().clone() for t in self.flat.state_tensors()]
 
-    def _average_state_compressed(self, tensors: list[Tensor], tag: str, participants: list[int] | None) -> None:
+    def _average_state_compressed(
+        self,
+        tensors: list[Tensor],
+        tag: str,
+        participants: list[int] | None,
+        comm: Communicator | None = None,
+        member: int | None = None,
+    ) -> None:
         """Compressed :meth:`average_state`: every rank sends its change since the last average,
         ``x_i − ref`` (so a cast or int8 rounds the update, not the parameters), the compressed all-reduce averages
         the changes in fp32 and every rank takes ``ref + mean``, which becomes the new reference. The mean of the
         replicas is ``ref + mean(x_i − ref)`` exactly for any reference the ranks share; the result is bit-identical
-        on every rank. int8 keeps one error-feedback stream per flat buffer (``state/<i>``)."""
+        on every rank. int8 keeps one error-feedback stream per flat buffer (``state/<i>``). ``comm`` (default: all
+        ranks) and ``member`` (this rank's index in ``participants``' numbering, default its global rank): the
+        replica groups' leaders."""
         assert self.compressor is not None
         if participants is not None and not participants:
             raise ValueError("participants must name at least one rank")
@@ -60,12 +69,14 @@ class CompressedAveraging:
                 f"{type(self).__name__} averaged parameters with compression but took no reference at setup: "
                 "override _averages_state() to return True"
             )
-        subset = participants is not None and len(participants) != self.world_size
-        contribute = not subset or self.global_rank in (participants or [])
+        comm = comm if comm is not None else self.comm
+        member = member if member is not None else self.global_rank
+        subset = participants is not None and len(participants) != comm.world_size
+        contribute = not subset or member in (participants or [])
         for i, (t, ref) in enumerate(zip(tensors, self._reference)):
             t.sub_(ref)
             feedback = self.compressor.feedback(f"state/{i}", t.numel(), t.dtype, t.device)
-            self.comm.all_reduce_compressed(
+            comm.all_reduce_compressed(
                 t,
                 self.compressor,
                 op="sum" if subset else "avg",

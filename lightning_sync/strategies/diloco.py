@@ -99,6 +99,11 @@ class DiLoCoStrategy(SyncStrategy):
     overlapped fragment all-reduces are not compressed: ``fragments > 1``, ``delay > 0`` or ``alpha > 0`` with a
     compression raise at construction.
 
+    **Replica groups** (``replica_size``): the ranks of a replica average their gradients every step and stay
+    identical; each sync (and each fragment) is averaged over the replicas' first ranks and broadcast inside the
+    replica — the streaming fragments' asynchronous all-reduces on a second group of those ranks, the broadcast when
+    the fragment is applied — and every rank applies the same outer step to the same mean.
+
     **Checkpoints** hold :math:`\theta_{global}`, the outer momentum, the step (hence the fragment schedule) and the
     fragment in flight: saving waits for its all-reduce to *complete* and stores the result, which the resumed run
     applies at the step it was due — the same trajectory as without the checkpoint (resume is bit-identical,
@@ -203,7 +208,9 @@ class DiLoCoStrategy(SyncStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.delay > 0:  # the overlapped all-reduces get their own group (collective: every rank, same order)
-            self._stream_comm = self.comm.split()
+            # with replica groups a second group of the leaders (None on the other ranks: they take the result
+            # from their leader when the fragment is applied)
+            self._stream_comm = self._new_inter_comm() if self.grouped else self.comm.split()
 
     def _on_flat_ready(self) -> None:
         groups = self.flat.groups
@@ -269,11 +276,9 @@ class DiLoCoStrategy(SyncStrategy):
             else:
                 buffers.append(self._send[part.group][: region.numel()].copy_(region))
         handles: list[CommHandle] = []
-        if self.compressor is not None and self.world_size > 1:  # plain DiLoCo: the buffers are the whole state
-            self._average_state_compressed([b for b in buffers if b.numel()], "params", None)  # as state_tensors()
-        elif self._stream_comm is None:
-            self.comm.all_reduce_many(buffers, op="avg", tag="params")
-        else:
+        if self.delay == 0:  # blocking (compressed: plain DiLoCo, the buffers are the whole state)
+            self._average_tensors([b for b in buffers if b.numel()] if self.compressor else buffers, "params")
+        elif self._stream_comm is not None:  # (with replica groups: on the leaders)
             handles = [self._stream_comm.all_reduce(b, op="avg", tag="params", async_op=True) for b in buffers]
         self._pending = _Pending(fragment, step, handles, buffers)
         self.fragment_syncs[fragment] += 1
@@ -286,6 +291,8 @@ class DiLoCoStrategy(SyncStrategy):
             raise RuntimeError("DiLoCoStrategy: a fragment is due but none is in flight (schedule out of step)")
         for handle in pending.handles:
             handle.wait()
+        if self.delay > 0:  # replica groups: the leader's mean to its replica (done in _launch when blocking)
+            self._share_in_replica(pending.buffers, "params")
         parts = self._parts[pending.fragment]
         inner_lr = self._inner_lr()
         with torch.no_grad():
@@ -327,10 +334,7 @@ class DiLoCoStrategy(SyncStrategy):
             self._mark_in_sync()
             return  # every fragment synced at the last step and was taken as is: the replicas hold the global model
         tensors = self.flat.state_tensors()
-        if self.compressor is not None and self.world_size > 1:
-            self._average_state_compressed(tensors, "final", None)
-        else:
-            self.comm.all_reduce_many(tensors, op="avg", tag="final")
+        self._average_tensors(tensors, "final")
         if self.outer is not None:
             inner_lr = self._inner_lr()
             with torch.no_grad():

@@ -17,6 +17,10 @@ all-reduce of the model per validation — except when no training step has run 
 (a local SGD period or FedAvg round that ends with the epoch, DiLoCo's plain sync): every rank then holds that
 global model, which is the replicas' average, and validation (or the main checkpoint file) takes it as it is, with
 no communication. With ``verify_sync=True`` the replicas are checked to be identical there (one checksum gather).
+
+With replica groups (``replica_size``) the ranks of a replica are identical, so the average is the replicas': one
+all-reduce over the replicas' first ranks, then a broadcast inside each replica (the traffic between replicas is
+the flat average's with the number of replicas as the world size).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class GlobalModelEvaluation:
     def _evaluates_average(self) -> bool:
         """Whether this strategy's replicas can differ and validation (and the main checkpoint file) should see their
         average instead of each rank's own."""
-        return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.world_size > 1
+        return self.replicas_diverge and self.averages_for_eval and self._flat is not None and self.num_replicas > 1
 
     def _evaluates_last_sync(self) -> bool:
         """Whether that global model is the last sync's copy (no communication) rather than a fresh average."""
@@ -150,7 +154,7 @@ class GlobalModelEvaluation:
                 self._verify(tensors, f"parameters and buffers (in sync since the last sync, at {tag!r})")
             return None
         replica = [t.detach().clone() for t in tensors]
-        self.comm.all_reduce_many(tensors, op="avg", tag=tag)
+        self._average_over_replicas(tensors, tag)  # with replica groups: over the leaders, broadcast in the replica
         return replica
 
     def _swap_in_synced(self) -> list[Tensor]:

@@ -24,7 +24,8 @@ class FedAvgStrategy(SyncStrategy):
     other ranks contribute zeros (so the bytes are those of a full all-reduce), divided by the number of
     participants; floating buffers travel with it. ``fraction=1`` with ``syncs_per_epoch`` dividing the epoch's
     steps is local SGD with period ``steps_per_epoch / syncs_per_epoch``. Sync positions are
-    ``round(j * steps_per_epoch / x)`` for ``j = 1..x`` (the last one ends the epoch).
+    ``round(j * steps_per_epoch / x)`` for ``j = 1..x`` (the last one ends the epoch). With replica groups
+    (``replica_size``) the participants are :math:`\lceil C R \rceil` of the :math:`R` replicas (whole replicas).
 
     With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
     all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
@@ -101,7 +102,8 @@ class FedAvgStrategy(SyncStrategy):
         synced = self._batch_position in self._positions
         if synced:
             self.round += 1
-            self.last_participants = fedavg_participants(self.world_size, self.fraction, self.seed, self.round)
+            # replica indices (ranks when every rank is a replica): with replica groups whole replicas take part
+            self.last_participants = fedavg_participants(self.num_replicas, self.fraction, self.seed, self.round)
             self.average_state(tag="params", participants=self.last_participants)
             self._check_sigterm()
         self.step_counter.record(synced)

@@ -84,6 +84,12 @@ class OSPStrategy(SyncStrategy):
     supports_accumulation = False
     strategy_description = "OSP: important layers all-reduced before the step, the rest overlapped with the next"
     replicas_diverge = False  # parameters are corrected to the global update: identical on every rank
+    replica_groups_refusal = (
+        "its two stages split every step's gradient by layer importance over all ranks (the important layers "
+        "before the update, the rest in flight during the next step, with the LGP correction on each rank's own "
+        "local gradient); a two-level form of both stages is not implemented. For exact gradient averaging with "
+        "replica groups use bsp."
+    )
 
     def __init__(
         self,

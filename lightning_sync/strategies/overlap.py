@@ -24,7 +24,9 @@ class OverlappedGrads:
     ``average_grads`` :meth:`_finish_grad_buckets`.
 
     Uses from the strategy: ``bucket_cap_mb`` and ``find_unused_parameters`` (class attributes the methods set),
-    ``_overlap_grads()`` (the method's announcement), ``compressor`` (no overlap with compression), ``flat``.
+    ``_overlap_grads()`` (the method's announcement), ``compressor`` (no overlap with compression), ``flat``. With
+    replica groups (:mod:`~lightning_sync.strategies.replicas`: ``grouped``, ``_intra``, ``intra_bucket_cap_mb``) the
+    buckets carry the exact intra-replica all-reduce of every step instead, finished by ``_average_in_replica``.
     """
 
     _grad_buckets: GradBuckets | None
@@ -35,20 +37,27 @@ class OverlappedGrads:
         if self._grad_buckets is not None:  # a previous setup's hooks
             self._grad_buckets.remove()
             self._grad_buckets = None
-        if self.bucket_cap_mb is not None:
+        # replica groups: the exact intra-replica all-reduce of every step (replicas.py), not the method's
+        cap = self.intra_bucket_cap_mb if self.grouped else self.bucket_cap_mb
+        if cap is not None:
             names = {i: name for i, (name, _) in enumerate(self.model.named_parameters())}
-            self._grad_buckets = GradBuckets(self._flat, self.bucket_cap_mb, names, self.find_unused_parameters)
+            self._grad_buckets = GradBuckets(self._flat, cap, names, self.find_unused_parameters)
 
     def _arm_grad_buckets(self) -> None:
         buckets = self._grad_buckets
-        if buckets is None or self.compressor is not None:
-            # compressed gradient averaging is one compressed all-reduce per flat buffer after backward (buffers
-            # exact, beside it): the buckets' overlap is not combined with compression
+        if buckets is None:
             return
-        plan = self._overlap_grads()
-        if plan is None:
-            return
-        comm, tag = plan
+        if self._intra is not None:  # replica groups: every step, over the replica's ranks, exact
+            comm, tag = self._intra, "grads"
+        else:
+            if self.compressor is not None:
+                # compressed gradient averaging is one compressed all-reduce per flat buffer after backward (buffers
+                # exact, beside it): the buckets' overlap is not combined with compression
+                return
+            plan = self._overlap_grads()
+            if plan is None:
+                return
+            comm, tag = plan
 
         def launch(tensor: Tensor) -> CommHandle:
             return comm.all_reduce(tensor, op="avg", tag=tag, async_op=True)

@@ -58,7 +58,8 @@ class ParameterServerStrategy(SyncStrategy):
     warning per metric naming ``on_epoch=True`` for a global value (reduced at the epoch end, where ranks meet).
     ``EarlyStopping`` and
     epoch-based ``ModelCheckpoint`` work. ``injection`` and :class:`~lightning_sync.callbacks.SelDP` are not
-    available (batches come from the shared order).
+    available (batches come from the shared order). Nor are replica groups (``replica_size``): the ranks of a
+    replica would push and pull at their own pace, never in lockstep.
 
     With ``compression`` the pushes carry the delta in the wire format (int8: with error feedback per server) and
     the pulls the global parameters rounded to it; the servers' own parameters stay exact
@@ -73,6 +74,12 @@ class ParameterServerStrategy(SyncStrategy):
     carries_sigterm = True
     supports_accumulation = True
     averages_for_eval = False  # validation and checkpoints swap in the servers' global model instead
+    replica_groups_refusal = (
+        "every rank is an asynchronous worker of the sharded parameter server, pushing its own update and taking "
+        "back the global parameters at its own pace (batches claimed from a shared counter), so the ranks of a "
+        "replica would neither step in lockstep nor stay identical, which exact data parallelism inside a replica "
+        "needs."
+    )
 
     def __init__(self, shard_size: int = 1 << 22, **kwargs: Any) -> None:
         self.shard_size = check_int("shard_size", shard_size, 1)

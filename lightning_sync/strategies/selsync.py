@@ -108,6 +108,12 @@ class SelSyncStrategy(SyncStrategy):
     all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
     (local steps leave the replicas different under either aggregation).
 
+    **Replica groups** (``replica_size``): the vote is among replicas on each replica's averaged gradient. The
+    gradient is averaged inside the replica before Δ is computed, so every rank of a replica holds the same gradient,
+    the same tracker state and casts the same vote; the vote stays one all-reduce over all ranks per step (one
+    collective, as flat; a leaders' all-reduce plus a broadcast of the decision in the replica would be two), and
+    ``voters`` counts replicas. :math:`N` in the default smoothing is the number of replicas.
+
     Args:
         delta: ``"auto"`` (default: set online to meet ``sync_fraction``) or a fixed threshold :math:`\delta \ge 0` on
             the relative gradient change (``float('inf')`` allowed; the paper: 0.3).
@@ -245,9 +251,10 @@ class SelSyncStrategy(SyncStrategy):
 
     @property
     def effective_smoothing(self) -> float:
+        """The EWMA factor: ``smoothing``, or the paper's N/100 for N workers (replicas, with replica groups)."""
         if self.smoothing is not None:
             return float(self.smoothing)
-        return min(1.0, self.world_size / 100.0)
+        return min(1.0, self.num_replicas / 100.0)
 
     @property
     def last_delta(self) -> float:
@@ -467,7 +474,8 @@ class SelSyncStrategy(SyncStrategy):
             # (the host tracker settled it in update; so did the device tracker's next update if there was one,
             # reading the flag itself: vote="overlapped" casts the next vote before this one is read)
             self.tracker.commit(finite > 0)
-        self.last_voters = int(votes)
+        # with replica groups every rank of a voting replica voted (same averaged gradient, same Δ): count replicas
+        self.last_voters = int(votes) // self.ranks_per_replica
         if self.calibrator is not None:  # every rank holds every rank's delta: the same maximum everywhere
             self.calibrator.observe(max(values[2:-1]))
         return self.last_voters > 0

@@ -90,6 +90,10 @@ class SyncSwitchStrategy(ASPStrategy):
     #: accumulation a step spans several positions (the quota would be undercounted) and the callback could
     #: switch between the micro-batches of one step.
     supports_accumulation = False
+    replica_groups_refusal = (
+        "its ASP phase makes every rank an asynchronous parameter-server worker (the ranks of a replica would not "
+        "step in lockstep), and its BSP phase excludes single stragglers from the gradient all-reduce, rank by rank."
+    )
 
     def __init__(
         self,
