@@ -286,12 +286,17 @@ class FaultTolerantSync:
         quorum_deadline = time.monotonic() + cfg.quorum_timeout.total_seconds()
         while True:
             info = self._ft_quorum(startup=True)
-            if info.error is not None:
-                raise self._ft_error(
-                    f"replica group {cfg.replica_group} could not join the run: {info.error} (at torchft step "
-                    f"{info.step_before}, quorum of {info.replica_world_size})"
-                )
             now = time.monotonic()
+            if info.error is not None:  # e.g. the peer sending the state was lost: the next quorum tries again
+                if now >= quorum_deadline:
+                    raise self._ft_error(
+                        f"replica group {cfg.replica_group} could not join the run within quorum_timeout "
+                        f"({cfg.quorum_timeout.total_seconds():g} s): {info.error} (at torchft step "
+                        f"{info.step_before}, quorum of {info.replica_world_size})"
+                    )
+                log.warning("replica group %d: joining failed (%s); trying again", cfg.replica_group, info.error)
+                time.sleep(0.5)
+                continue
             behind = info.healed and info.step_before < info.step
             if info.replica_world_size < cfg.min_replicas and now < quorum_deadline:
                 time.sleep(0.1)
