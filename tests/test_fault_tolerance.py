@@ -298,6 +298,23 @@ def test_an_unreachable_lighthouse_at_start_is_a_clear_error_not_a_hang(tmp_path
 
 
 @pytest.mark.timeout(LIMIT_S)
+@pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1")
+def test_a_lighthouse_gone_during_the_run_stops_every_group_at_its_next_sync_with_a_clear_error(run_dir):
+    run = run_dir("localsgd")
+    run.lighthouse()
+    lighthouse = run.procs[0]
+    procs = [run.group(g, groups=2, timeout=10, max_steps=400) for g in range(2)]
+    run.wait_until("step 10", lambda: any(r["step"] >= 10 for r in run.progress(0)), procs)
+    kill_session(lighthouse)
+    assert run.finish(procs) == [1, 1], run.dump()
+    for g, log in enumerate(run.logs[1:]):
+        text = log.read_text()
+        assert (
+            f"replica group 'replica_{g}' could not get a quorum from the lighthouse at {run.url} within 10 s" in text
+        )
+
+
+@pytest.mark.timeout(LIMIT_S)
 def test_replica_groups_configured_differently_stop_with_an_error_naming_the_difference(run_dir):
     run = run_dir("localsgd")
     run.lighthouse()

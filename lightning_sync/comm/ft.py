@@ -365,12 +365,12 @@ class ReplicaGroupComm:
         self._load(state)
 
     # ------------------------------------------------------------------ quorum and commit
-    def quorum(self) -> QuorumInfo:
+    def quorum(self, timeout: timedelta | None = None) -> QuorumInfo:
         """Ask the lighthouse for a quorum and wait for it (torchft's ``start_quorum``, synchronous): the process group
         is rebuilt if the members changed, and a group that is behind receives a peer's state (``load_state_dict`` is
         called before this returns; a group that is ahead sends it). The state transfer is counted under the tag
         ``"recovery"``; the quorum as one operation (0 bytes, one emulated latency) under ``"quorum"``, with the time
-        blocked in it.
+        blocked in it. ``timeout`` bounds the wait for the lighthouse's answer (default: ``quorum_timeout``).
 
         Raises:
             FaultToleranceError: the quorum failed (the lighthouse is gone or timed out).
@@ -381,13 +381,14 @@ class ReplicaGroupComm:
         start = time.perf_counter()
         self.pg.tag = "recovery"
         try:
-            manager.start_quorum()
+            manager.start_quorum(timeout=timeout)
         except Exception as err:  # noqa: BLE001 - the quorum request itself failed
+            waited = (timeout or manager._quorum_timeout).total_seconds()
             raise FaultToleranceError(
                 f"fault tolerance: replica group {self.replica_id!r} could not get a quorum from the lighthouse at "
-                f"{self.lighthouse}: {type(err).__name__}: {err}. The lighthouse is gone or did not answer within "
-                "quorum_timeout; every replica group stops at its next sync. Start the lighthouse again and restart "
-                "the replica groups (each resumes from its last checkpoint, or from a live peer)."
+                f"{self.lighthouse} within {waited:g} s: {type(err).__name__}: {err}. The lighthouse is gone or did "
+                "not answer; every replica group stops at its next sync. Start the lighthouse again and restart the "
+                "replica groups (each resumes from its last checkpoint, or from a live peer)."
             ) from err
         finally:
             self.pg.tag = "ft"

@@ -99,7 +99,8 @@ class FaultTolerance:
             ``join_timeout`` for all of them) (default: ``$NUM_REPLICA_GROUPS``).
         min_replicas: the fewest groups a sync may commit with (torchft's ``min_replica_size``; start the lighthouse
             with the same ``--min-replicas``).
-        timeout: bound of every collective, state transfer and commit (a peer that hangs fails the sync after it).
+        timeout: bound of every collective, state transfer and commit (a peer that hangs fails the sync after it), and
+            of a quorum during training (a lighthouse that is gone stops every group this long into its next sync).
         quorum_timeout: how long a quorum may wait: a restarted group waits for its peers' next sync, so at least a
             period of steps, with margin.
         connect_timeout: how long to try to reach the lighthouse at start before failing with a clear error.
@@ -324,9 +325,13 @@ class FaultTolerantSync:
 
     # ------------------------------------------------------------------ quorum
     def _ft_quorum(self: Any, startup: bool = False) -> QuorumInfo:
+        """One quorum. At start-up it may wait ``quorum_timeout`` (a restarted group waits for its peers' next sync);
+        during training the groups reach it within a step of each other (the lighthouse drops a silent one after its
+        heartbeat timeout), so ``timeout`` bounds it: a lighthouse that is gone stops every group that long after its
+        next sync begins."""
         assert self._ft is not None
         self._ft_received = None
-        info = self._ft.quorum()
+        info = self._ft.quorum(timeout=None if startup else self.fault_tolerance.timeout)
         self.ft_quorums += 1
         self.ft_replicas = info.replica_world_size
         if info.changed:
