@@ -16,7 +16,8 @@ SIGKILL in the middle of an epoch and, in the first case, starts it again. Asser
 
 Nothing depends on the machine's speed: the survivors step slowly (a file the workers look at) until the restarted
 group has rejoined, every wait is bounded generously and fails the test as a hang, and no duration is asserted.
-``LIGHTNING_SYNC_SLOW_TESTS=1`` adds DiLoCo killed and restarted and local SGD's group that never returns.
+``LIGHTNING_SYNC_SLOW_TESTS=1`` adds DiLoCo killed and restarted, local SGD's group that never returns, and the
+lighthouse gone during the run (every group stops at its next sync with a clear error).
 """
 
 from __future__ import annotations
