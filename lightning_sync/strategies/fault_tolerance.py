@@ -459,19 +459,18 @@ class FaultTolerantSync:
     def _ft_all_reduce(self: Any, tensors: list[Tensor], tag: str) -> bool:
         """Average ``tensors`` over the current quorum (a quorum first if none was held for this step, e.g. the final
         average), then commit: on success the tensors hold the mean; otherwise (a peer failed mid-sync, fewer than
-        ``min_replicas``) they keep this group's values. The all-reduce runs on copies, so a failure halfway leaves
-        nothing half-averaged. Returns whether it committed."""
+        ``min_replicas``) they keep this group's values: the all-reduce runs in place over a backup copy, put back when
+        it did not commit, so a failure halfway leaves nothing half-averaged. Returns whether it committed."""
         if not self._ft_open:
             self._ft_quorum()
         self._ft_open = False
-        copies = [self._ft_copy(i, t) for i, t in enumerate(tensors)]
-        self._ft.all_reduce(copies, op="avg", tag=tag)
+        backups = [self._ft_copy(i, t) for i, t in enumerate(tensors)]
+        self._ft.all_reduce(tensors, op="avg", tag=tag)
         committed = self._ft.commit()
-        if committed:
+        if not committed:
             with torch.no_grad():
-                for t, c in zip(tensors, copies):
-                    t.copy_(c)
-        else:
+                for t, b in zip(tensors, backups):
+                    t.copy_(b)
             self.ft_failed_syncs += 1
             log.warning(
                 "replica group %d: the sync after step %d was not committed (%s); it keeps its own replica until the "
