@@ -7,6 +7,12 @@ model is a small CNN on scikit-learn's handwritten digits (shipped inside scikit
     python examples/train.py --strategy selsync --strategy-arg delta=0.3 --devices 2 --max-epochs 3
     python examples/train.py --strategy localsgd --strategy-arg period=4 --link 1gbit,1ms --devices 2 --max-steps 40
 
+    lightning-sync lighthouse --bind [::]:29510 &                  # fault tolerant: one process per replica group
+    python examples/train.py --strategy localsgd --devices 1 --ft-lighthouse http://localhost:29510 \
+        --ft-replica-group 0 --ft-replica-groups 2 &
+    python examples/train.py --strategy localsgd --devices 1 --ft-lighthouse http://localhost:29510 \
+        --ft-replica-group 1 --ft-replica-groups 2
+
 ``--strategy`` is any name in Lightning's strategy registry (``import lightning_sync`` adds ``bsp``, ``selsync``,
 ``localsgd``, ``fedavg``, ``adpsgd``, ``osp``, ``asp``, ``ssp``, ``aladdin``, ``sync_switch``, ``diloco`` and their
 ``_spawn`` / ``_notebook`` variants). ``--strategy-arg KEY=VALUE`` (repeatable) is passed to the strategy's
@@ -41,7 +47,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
-import lightning_sync  # noqa: F401  (registers "selsync", "localsgd", ... with Lightning's StrategyRegistry)
+from lightning_sync import FaultTolerance  # (the import registers "selsync", "localsgd", ... with Lightning)
 
 
 # ----------------------------------------------------------------------------------------------- your code
@@ -113,9 +119,12 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def make_strategy(name: str, args: list[str], link: str | None, parser: argparse.ArgumentParser) -> Any:
+def make_strategy(
+    name: str, args: list[str], link: str | None, parser: argparse.ArgumentParser, fault_tolerance: Any = None
+) -> Any:
     """The registered strategy ``name`` built with its registered arguments (``start_method`` for ``selsync`` /
-    ``selsync_spawn``...) plus ``KEY=VALUE`` ``args`` and ``link``. Errors go to ``parser.error``."""
+    ``selsync_spawn``...) plus ``KEY=VALUE`` ``args``, ``link`` and ``fault_tolerance``. Errors go to
+    ``parser.error``."""
     if name not in StrategyRegistry:
         parser.error(f"--strategy {name!r} is not registered; available: {', '.join(sorted(StrategyRegistry))}")
     entry = StrategyRegistry[name]
@@ -138,6 +147,10 @@ def make_strategy(name: str, args: list[str], link: str | None, parser: argparse
                 "byte accounting and link emulation)."
             )
         kwargs["link"] = link
+    if fault_tolerance is not None:
+        if "fault_tolerance" not in accepts:
+            parser.error(f"--fault-tolerant: strategy {name!r} ({cls.__name__}) has no fault-tolerant mode")
+        kwargs["fault_tolerance"] = fault_tolerance
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:  # the strategy's own check of its arguments, naming the bad one
@@ -160,9 +173,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/train", help="logs and checkpoints go here (default: runs/train)")
+    ft = parser.add_argument_group(
+        "fault tolerance (localsgd, diloco)",
+        "Run this process as one replica group of a fault-tolerant run on torchft (pip install -e '.[ft]'): start a "
+        "lighthouse (lightning-sync lighthouse), then one process per replica group with --devices 1. A flag not "
+        "given is read from TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS.",
+    )
+    ft.add_argument("--fault-tolerant", action="store_true", help="join a fault-tolerant run (implied by --ft-*)")
+    ft.add_argument("--ft-lighthouse", default=None, metavar="URL", help="the lighthouse, e.g. http://host:29510")
+    ft.add_argument("--ft-replica-group", type=int, default=None, metavar="I", help="this group's index, 0..N-1")
+    ft.add_argument("--ft-replica-groups", type=int, default=None, metavar="N", help="how many replica groups")
+    ft.add_argument("--ft-min-replicas", type=int, default=1, metavar="M", help="fewest groups a sync commits with")
     args = parser.parse_args(argv)
 
-    strategy = make_strategy(args.strategy, args.strategy_arg, args.link, parser)
+    ft_given = (args.ft_lighthouse, args.ft_replica_group, args.ft_replica_groups)
+    if args.fault_tolerant or any(v is not None for v in ft_given):
+        try:
+            fault_tolerance = FaultTolerance(
+                lighthouse=args.ft_lighthouse,
+                replica_group=args.ft_replica_group,
+                replica_groups=args.ft_replica_groups,
+                min_replicas=args.ft_min_replicas,
+            )
+        except ValueError as err:
+            parser.error(str(err))
+    else:
+        fault_tolerance = None
+    strategy = make_strategy(args.strategy, args.strategy_arg, args.link, parser, fault_tolerance)
     if args.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # a share of the cores per process
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     pl.seed_everything(args.seed, verbose=False)

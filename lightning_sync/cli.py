@@ -171,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
 
         demo_main(args[1:])
         return
+    if args and args[0] == "lighthouse":
+        from lightning_sync.comm.ft import lighthouse_main
+
+        lighthouse_main(args[1:])
+        return
     if args and args[0] == "search-switch":
         from lightning_sync.search import main as search_main
 

@@ -435,6 +435,7 @@ def base_specs(parameter_server: bool = False, replica_groups: bool = True) -> d
             note="what the tensors can take (floating point; a cast narrower than the data) is checked at setup",
         ),
         "sync_stats": bool_arg("sync_stats"),
+        "fault_tolerance": _fault_tolerance_arg(supported=False),
         "injection": injection,
         "injection_seed": int_arg("injection_seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         "accelerator": Arg(
@@ -575,6 +576,36 @@ _BUCKET_CAP = real_arg(
     "rejected: the unused parameters are found by the bucketed all-reduce's hooks)",
 )
 
+
+def _fault_tolerance_arg(supported: bool) -> Arg:
+    """``fault_tolerance``: a :class:`~lightning_sync.FaultTolerance` or None where the method supports it (with torchft
+    installed: the ``ft`` extra), None only where it does not (the refusal says why)."""
+    import importlib.util
+
+    ft = lightning_sync.FaultTolerance(lighthouse="http://127.0.0.1:29510", replica_group=0, replica_groups=2)
+    junk = st.one_of(_TEXT, st.integers(), _ANY_FLOAT, st.booleans(), _JUNK, st.just({"lighthouse": "http://h:1"}))
+    if supported:
+        with_torchft = importlib.util.find_spec("torchft") is not None
+        return Arg(
+            allowed="None or a lightning_sync.FaultTolerance",
+            valid=st.one_of(st.none(), st.just(ft)) if with_torchft else st.none(),
+            invalid=junk,
+            message=r"fault_tolerance must be a lightning_sync\.FaultTolerance\(\.\.\.\) or None",
+            edges_valid=(None, ft) if with_torchft else (None,),
+            edges_invalid=({"lighthouse": "http://h:1"}, "http://h:1", True),
+            note="the FaultTolerance itself is validated at its construction; torchft's presence here (ImportError "
+            "naming the ft extra); the Trainer settings (accumulate_grad_batches, one process per group) at setup",
+        )
+    return Arg(
+        allowed="None only (the method cannot run fault-tolerant: the error says why)",
+        valid=st.none(),
+        invalid=st.one_of(st.just(ft), junk),
+        message=r"fault_tolerance must be (None for \w+Strategy, which cannot run fault-tolerant|a lightning_sync)",
+        edges_valid=(None,),
+        edges_invalid=(ft, "http://h:1"),
+    )
+
+
 #: the methods with local steps: what validation evaluates
 _EVALUATE = choice_arg("evaluate", ("average", "last_sync"), r"evaluate must be one of 'average', 'last_sync'")
 
@@ -612,6 +643,7 @@ SPECS: dict[type, dict[str, Arg]] = {
     ),
     LocalSGDStrategy: _with(
         base_specs(),
+        fault_tolerance=_fault_tolerance_arg(supported=True),
         period=int_arg("period", 1),
         warmup_steps=int_arg("warmup_steps", 0),
         offset=int_arg("offset", 0, 7, note="in [0, period - 1]: [0, 7] with the default period 8"),
@@ -681,6 +713,7 @@ SPECS: dict[type, dict[str, Arg]] = {
     ),
     DiLoCoStrategy: _with(
         base_specs(),  # compression as every strategy's (plain DiLoCo; streaming with it: test_diloco.py)
+        fault_tolerance=_fault_tolerance_arg(supported=True),
         sync_every=int_arg("sync_every", 1),
         outer_optimizer=_DILOCO_OUTER,
         fragments=Arg(
@@ -900,6 +933,7 @@ def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_t
         "compression",
         "replica_size",
         "intra_link",
+        "fault_tolerance",
         *PASS_THROUGH,
     }
     for cls in STRATEGIES:

@@ -12,6 +12,7 @@ from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.bsp import BSPStrategy
 from lightning_sync.strategies.ddp import CountedDDPStrategy
 from lightning_sync.strategies.diloco import DiLoCoStrategy
+from lightning_sync.strategies.fault_tolerance import FaultTolerance
 from lightning_sync.strategies.fedavg import FedAvgStrategy
 from lightning_sync.strategies.localsgd import LocalSGDStrategy
 from lightning_sync.strategies.osp import OSPStrategy
@@ -46,6 +47,7 @@ __all__ = [
     "BSPStrategy",
     "CountedDDPStrategy",
     "DiLoCoStrategy",
+    "FaultTolerance",
     "FedAvgStrategy",
     "LocalSGDStrategy",
     "OSPStrategy",

@@ -65,6 +65,10 @@ class ADPSGDStrategy(SyncStrategy):
     supports_accumulation = False
     strategy_description = "ADPSGD: periodic averaging with an adaptive period (Alg. 2)"
     carries_sigterm = True
+    fault_tolerance_refusal = (
+        "not yet supported: its period adapts from a statistic all-reduced at every sync, which a replica group that "
+        "missed a commit would not share until it heals; use local SGD or DiLoCo"
+    )
 
     def __init__(
         self,

@@ -62,6 +62,7 @@ from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.compressed import CompressedAveraging
 from lightning_sync.strategies.defaults import add_default_callback
 from lightning_sync.strategies.evaluation import GlobalModelEvaluation
+from lightning_sync.strategies.fault_tolerance import FaultTolerance, FaultTolerantSync, check_fault_tolerance
 from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
 from lightning_sync.strategies.outer import OuterAveraging
@@ -87,6 +88,7 @@ class SyncStrategy(
     PerRankCheckpointing,
     CountedCollectives,
     SigtermCheck,
+    FaultTolerantSync,
     DDPStrategy,
 ):
     """Base of every lightning_sync strategy; the guide for method authors follows the arguments.
@@ -122,6 +124,10 @@ class SyncStrategy(
             ``"100gbit"``...; default none); needs replica groups (checked at setup).
         sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
             and the loggers) when the Trainer has none; ``False`` adds nothing.
+        fault_tolerance: ``None`` (default: every rank is needed, a failure stops the run) or a
+            :class:`~lightning_sync.strategies.fault_tolerance.FaultTolerance`: this process is one replica group of a
+            run on torchft that survives losing groups (:mod:`~lightning_sync.strategies.fault_tolerance`). Methods
+            that cannot (:attr:`fault_tolerance_refusal`) raise at construction, saying why.
         start_method: how Lightning launches processes when it launches them, as for its ``ddp``: ``"popen"``
             (default: the script is run again for every other rank, the launching process is rank 0), ``"spawn"``
             (registered as ``"<name>_spawn"``: for notebooks and pytest; rank 0's results are shipped back, see
@@ -188,6 +194,13 @@ class SyncStrategy(
     #: own back afterwards, and the main checkpoint file holds that average. Only meaningful with
     #: :attr:`replicas_diverge`; the parameter-server strategies set ``False``: they swap in the servers' model.
     averages_for_eval: ClassVar[bool] = True
+    #: Why the method cannot run with ``fault_tolerance`` (``None``: it can, and implements
+    #: :meth:`_ft_next_step_syncs`). Fault tolerance needs collectives among the replica groups at syncs only, each
+    #: after a quorum taken at a step boundary, and a schedule every group can follow from shared state.
+    fault_tolerance_refusal: ClassVar[str | None] = (
+        "only local SGD and DiLoCo support fault tolerance (collectives among replica groups at their periodic syncs "
+        "only, each preceded by a torchft quorum at a step boundary)"
+    )
 
     def __init__(
         self,
@@ -199,6 +212,7 @@ class SyncStrategy(
         sync_stats: bool = True,
         replica_size: ReplicaSize = None,
         intra_link: LinkModel | str | None = None,
+        fault_tolerance: FaultTolerance | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -225,6 +239,8 @@ class SyncStrategy(
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
         injection_seed = check_int("injection_seed", injection_seed, 0)
         compression = check_compression(compression)
+        ft_conflicts = {"compression": compression, "injection": injection}
+        fault_tolerance = check_fault_tolerance(self, fault_tolerance, ft_conflicts)
         injector = DataInjector(*injection, seed=injection_seed) if injection else None
         ddp_arguments: dict[str, Any] = dict(
             accelerator=accelerator,
@@ -245,6 +261,8 @@ class SyncStrategy(
         #: a whole suite or job with the invariants checked at every sync without editing its configuration)
         self.verify_sync = verify_sync or os.environ.get(VERIFY_ENV, "0") not in ("", "0")
         self.sync_stats = sync_stats
+        #: ``fault_tolerance``: this process is one replica group of a fault-tolerant run (``None``: not)
+        self.fault_tolerance: FaultTolerance | None = fault_tolerance
         self.comm_stats = CommStats()
         self.step_counter = StepCounter()
         self._comm: Communicator | None = None
@@ -298,6 +316,8 @@ class SyncStrategy(
         self._comm = Communicator(self.comm_stats, self.link)
         self._setup_replica_groups()
         self._add_sync_stats()
+        if self.fault_tolerance is not None:
+            self._ft_setup_environment()  # joins nothing yet: reaches the lighthouse (a clear error if it cannot)
 
     def _add_sync_stats(self) -> None:
         """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
@@ -309,11 +329,20 @@ class SyncStrategy(
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
         super().setup(trainer)
+        if self._ft is not None and self._ft_trainer_fitting(trainer):
+            self._ft_start(trainer)  # the first quorum; a restarted replica group takes its peers' state here
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        kwargs = super().distributed_sampler_kwargs
+        return kwargs if self.fault_tolerance is None else self._ft_sampler_kwargs(kwargs)
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         """Reject Trainer settings this strategy cannot honour, saying why and what to use instead (subclasses
         extend it, calling ``super()`` first)."""
         check_supported(self, trainer)
+        if self.fault_tolerance is not None:
+            self._ft_check_trainer(trainer)
 
     def configure_ddp(self) -> None:
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
@@ -422,6 +451,20 @@ class SyncStrategy(
         all-reduce runs over the replicas' first ranks and its result is broadcast inside each replica.
         """
         tensors = self.flat.state_tensors()
+        if self._ft is not None:  # fault-tolerant: over the replica groups of the current quorum, committed or not
+            if participants is not None:
+                raise ValueError("fault-tolerant averaging is over the current quorum: participants is not supported")
+            committed = self._ft_all_reduce(tensors, tag)
+            if self.verify_sync:
+                self._ft_verify(tensors, "parameters and buffers", committed)
+            if not committed:
+                return  # this replica keeps its own parameters; the next sync tries again
+            if on_mean is not None:
+                on_mean()
+            self._outer_step(tensors)
+            self._record_synced()
+            self._mark_in_sync()
+            return
         self._average_tensors(tensors, tag, participants)
         if on_mean is not None:
             on_mean()
@@ -555,6 +598,8 @@ class SyncStrategy(
             "sync_steps": float(self.step_counter.sync_steps),
         }
         metrics.update(self.comm_stats.summary())
+        if self.fault_tolerance is not None and hasattr(self, "ft_quorums"):
+            metrics.update(self._ft_metrics())
         if self.injector is not None:
             metrics["injected_samples"] = float(self.injector.injected_samples)
             metrics["injected_payload_bytes"] = float(self.injector.payload_bytes)
@@ -576,6 +621,8 @@ class SyncStrategy(
             state["compression"] = self._compression_state()
         if self._synced is not None:
             state["synced"] = self._synced_state()
+        if self._ft is not None:
+            state["ft"] = self._ft.state_dict()  # torchft's step: a resumed replica group must not look behind
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
@@ -587,6 +634,8 @@ class SyncStrategy(
         self._load_outer_state(state.get("outer"))
         self._load_compression_state(state.get("compression"))
         self._load_synced(state.get("synced"))
+        if self._ft is not None and state.get("ft") is not None:
+            self._ft.load_state_dict(state["ft"])
 
     # ------------------------------------------------------------------ failures
     def on_exception(self, exception: BaseException) -> None:
@@ -603,6 +652,7 @@ class SyncStrategy(
             self._grad_buckets.remove()
             self._grad_buckets = None
         self._teardown_replica_groups()
+        self._ft_teardown()
         if self._comm is not None:
             self._comm.close()  # the driver thread of asynchronous compressed all-reduces, if one was started
         self._flat = None

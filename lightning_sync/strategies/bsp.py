@@ -37,6 +37,12 @@ class BSPStrategy(SyncStrategy):
     """
 
     strategy_name = "bsp"
+    strategy_name = "bsp"
+    fault_tolerance_refusal = (
+        "it all-reduces gradients at every step, so a quorum would be needed at every step: that is torchft's own "
+        "DDP (torchft.DistributedDataParallel); this mode makes the periodic methods (local SGD, DiLoCo) "
+        "fault-tolerant, which need a quorum at their syncs only"
+    )
     strategy_description = "Bulk-synchronous parallel: gradient all-reduce every step, counted by lightning_sync"
     replicas_diverge = False  # identical gradients every step keep parameters and momentum identical
 

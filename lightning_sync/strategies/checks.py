@@ -91,7 +91,7 @@ def check_supported(strategy: SyncStrategy, trainer: pl.Trainer) -> None:
             f"{name} does not support precision={precision!r}: float16 AMP hands the strategy gradients that "
             "are still loss-scaled. Use precision='bf16-mixed' or '32-true'."
         )
-    if trainer.state.fn == "fit" and strategy.world_size == 1:
+    if trainer.state.fn == "fit" and strategy.world_size == 1 and strategy.fault_tolerance is None:
         rank_zero_warn(
             f"{name} runs with world size 1: there is no other replica to synchronise with, so it trains "
             "locally. Use devices>1 or num_nodes>1 to train data-parallel."

@@ -43,6 +43,8 @@ class _Pending:
     step: int
     handles: list[CommHandle]
     buffers: list[Tensor]
+    #: fault-tolerant: whether the sync committed (otherwise the buffers hold this replica's own values, not applied)
+    committed: bool = True
 
 
 class DiLoCoStrategy(SyncStrategy):
@@ -133,6 +135,7 @@ class DiLoCoStrategy(SyncStrategy):
     strategy_name = "diloco"
     strategy_description = "DiLoCo: local steps, an outer Nesterov step on the averaged pseudo-gradient every H steps"
     carries_sigterm = True
+    fault_tolerance_refusal = None
 
     def __init__(
         self,
@@ -170,6 +173,11 @@ class DiLoCoStrategy(SyncStrategy):
                 f"compression={kwargs['compression']!r} needs plain DiLoCo (fragments=1, delay=0, alpha=0), got "
                 f"fragments={self.fragments}, delay={self.delay}, alpha={self.alpha}: the streaming fragments' "
                 "overlapped all-reduces are not compressed. Use plain DiLoCo with compression, or streaming without it."
+            )
+        if kwargs.get("fault_tolerance") is not None and self.delay > 0:
+            raise ValueError(
+                f"DiLoCoStrategy(fault_tolerance=...) needs delay=0, got delay={self.delay}: a fragment's all-reduce "
+                "in flight across steps would span a step boundary where a replica group may join or leave"
             )
         super().__init__(**kwargs)
         #: plain DiLoCo: all-reduce each fragment in place and apply it at once (no send buffer)
@@ -276,11 +284,16 @@ class DiLoCoStrategy(SyncStrategy):
             else:
                 buffers.append(self._send[part.group][: region.numel()].copy_(region))
         handles: list[CommHandle] = []
-        if self.delay == 0:  # blocking (compressed: plain DiLoCo, the buffers are the whole state)
+        committed = True
+        if self._ft is not None:  # fault-tolerant: over the current quorum; not committed: keep this replica's own
+            committed = self._ft_all_reduce(buffers, "params")
+            if self.verify_sync:
+                self._ft_verify(buffers, f"the mean of fragment {fragment}", committed)
+        elif self.delay == 0:  # blocking (compressed: plain DiLoCo, the buffers are the whole state)
             self._average_tensors([b for b in buffers if b.numel()] if self.compressor else buffers, "params")
         elif self._stream_comm is not None:  # (with replica groups: on the leaders)
             handles = [self._stream_comm.all_reduce(b, op="avg", tag="params", async_op=True) for b in buffers]
-        self._pending = _Pending(fragment, step, handles, buffers)
+        self._pending = _Pending(fragment, step, handles, buffers, committed)
         self.fragment_syncs[fragment] += 1
 
     def _apply(self) -> None:
@@ -293,6 +306,8 @@ class DiLoCoStrategy(SyncStrategy):
             handle.wait()
         if self.delay > 0:  # replica groups: the leader's mean to its replica (done in _launch when blocking)
             self._share_in_replica(pending.buffers, "params")
+        if not pending.committed:
+            return  # fault-tolerant sync that failed: the local fragment stays as it is, the next sync tries again
         parts = self._parts[pending.fragment]
         inner_lr = self._inner_lr()
         with torch.no_grad():
@@ -301,7 +316,7 @@ class DiLoCoStrategy(SyncStrategy):
                 if self.outer is not None and n:
                     self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
             self._take_reference([b for b in pending.buffers if b.numel()])  # compressed: from the new global model
-            if self.verify_sync:
+            if self.verify_sync and self._ft is None:
                 self._verify(pending.buffers, f"global parameters of fragment {pending.fragment} after its sync")
             for part, buf in zip(parts, pending.buffers):  # evaluate="last_sync": before any mixing with alpha
                 self._record_synced_region(part.group, part.start, buf)
@@ -334,7 +349,11 @@ class DiLoCoStrategy(SyncStrategy):
             self._mark_in_sync()
             return  # every fragment synced at the last step and was taken as is: the replicas hold the global model
         tensors = self.flat.state_tensors()
-        self._average_tensors(tensors, "final")
+        if self._ft is not None:
+            if not self._ft_all_reduce(tensors, "final"):
+                return  # the final sync failed: every replica group keeps its own model
+        else:
+            self._average_tensors(tensors, "final")
         if self.outer is not None:
             inner_lr = self._inner_lr()
             with torch.no_grad():
@@ -345,7 +364,7 @@ class DiLoCoStrategy(SyncStrategy):
                             self.outer.step(params, part.group, part.start, inner_lr=inner_lr)
                         else:  # synced at the last step: its mean holds nothing the global model lacks
                             params.copy_(self.outer.global_params[part.group][part.start : part.param_end])
-        if self.verify_sync:
+        if self.verify_sync and self._ft is None:
             self._verify(tensors, "parameters and buffers after the final sync")
         self._record_synced()
         self._mark_in_sync()
@@ -370,6 +389,13 @@ class DiLoCoStrategy(SyncStrategy):
         metrics = super().sync_metrics()
         metrics["period"] = float(self.sync_every)
         return metrics
+
+    def _ft_next_step_syncs(self) -> bool:
+        return self.schedule.launched_after(self._step) is not None
+
+    def _ft_method_config(self) -> dict[str, Any]:
+        outer = None if self.outer_config is None else self.outer_config.spec()
+        return {**self._config(), "alpha": self.alpha, "outer_optimizer": outer, "average_at_end": self.average_at_end}
 
     def _config(self) -> dict[str, int]:
         return {"sync_every": self.sync_every, "fragments": self.fragments, "delay": self.delay}

@@ -55,6 +55,11 @@ class FedAvgStrategy(SyncStrategy):
     supports_accumulation = False
     strategy_description = "FedAvg: average a random fraction C of the replicas x times per epoch"
     carries_sigterm = True
+    fault_tolerance_refusal = (
+        "not yet supported: its syncs fall at positions in the epoch and average a random fraction of the ranks, "
+        "which the quorum's changing members would have to redraw; with fraction=1 use LocalSGDStrategy(period="
+        "steps_per_epoch // syncs_per_epoch, offset=period - 1), which is the same schedule"
+    )
 
     def __init__(
         self,

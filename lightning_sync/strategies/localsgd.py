@@ -62,6 +62,7 @@ class LocalSGDStrategy(SyncStrategy):
     strategy_name = "localsgd"
     strategy_description = "Local SGD (CPSGD): average parameters every `period` steps"
     carries_sigterm = True
+    fault_tolerance_refusal = None
 
     def __init__(
         self,
@@ -92,6 +93,19 @@ class LocalSGDStrategy(SyncStrategy):
             self.average_state(tag="params")
             self._check_sigterm()
         self.step_counter.record(synced)
+
+    def _ft_next_step_syncs(self) -> bool:
+        return self.schedule.should_average(self._step)
+
+    def _ft_method_config(self) -> dict[str, Any]:
+        outer = None if self.outer_config is None else self.outer_config.spec()
+        return {
+            "period": self.period,
+            "warmup_steps": self.warmup_steps,
+            "offset": self.offset,
+            "outer_optimizer": outer,
+            "average_at_end": self.average_at_end,
+        }
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()

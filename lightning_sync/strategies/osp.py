@@ -81,6 +81,11 @@ class OSPStrategy(SyncStrategy):
     """
 
     strategy_name = "osp"
+    strategy_name = "osp"
+    fault_tolerance_refusal = (
+        "it all-reduces gradients at every step (and keeps one in flight into the next), so a quorum would be needed "
+        "at every step; this mode makes the periodic methods (local SGD, DiLoCo) fault-tolerant"
+    )
     supports_accumulation = False
     strategy_description = "OSP: important layers all-reduced before the step, the rest overlapped with the next"
     replicas_diverge = False  # parameters are corrected to the global update: identical on every rank

@@ -64,7 +64,8 @@ class OuterAveraging:
         :math:`\theta_{global}`, and a step on a zero pseudo-gradient would still move it by the momentum). Without
         one, none either when the last step synced the whole model (:attr:`_in_sync`): the replicas are identical."""
         if self.outer is None:
-            if self.num_replicas > 1 and not self._in_sync:  # in sync: the replicas are their average already
+            # in sync: the replicas are their average already; fault-tolerant: the other replica groups are elsewhere
+            if (self.num_replicas > 1 or self._ft is not None) and not self._in_sync:
                 self.average_state(tag="final")
         elif self._updates_since_average > 0:
             self.average_state(tag="final")

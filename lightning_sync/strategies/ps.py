@@ -72,6 +72,11 @@ class ParameterServerStrategy(SyncStrategy):
     mode: ClassVar[str] = "asp"
     replicas_diverge = True
     carries_sigterm = True
+    carries_sigterm = True
+    fault_tolerance_refusal = (
+        "the parameter server shards the model over fixed ranks that serve one another point to point at any "
+        "time, not at syncs a quorum could precede; use local SGD or DiLoCo"
+    )
     supports_accumulation = True
     averages_for_eval = False  # validation and checkpoints swap in the servers' global model instead
     replica_groups_refusal = (

@@ -145,6 +145,12 @@ class SelSyncStrategy(SyncStrategy):
     strategy_name = "selsync"
     strategy_description = "SelSync: sync when any rank's relative gradient change >= delta, else a local step"
     carries_sigterm = True  # the vote all-reduce carries Lightning's per-step SIGTERM flag: one round trip per step
+    fault_tolerance_refusal = (
+        "its sync decision is a vote of all replicas at every step (an all-reduce of their Δ >= δ flags): under fault "
+        "tolerance every vote would need a torchft quorum first — the per-step coordination this mode exists to avoid "
+        "— and a vote among members that may change between steps decides no schedule the groups can share. Use "
+        "local SGD or DiLoCo (their syncs are periodic: a quorum at each sync only)"
+    )
 
     def __init__(
         self,

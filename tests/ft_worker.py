@@ -1,0 +1,132 @@
+"""One replica group of a fault-tolerant run (driven by tests/test_fault_tolerance.py; not collected by pytest).
+
+Started as its own process (``python tests/ft_worker.py '<json>'``) with its own ``MASTER_PORT``: a replica group is a
+one-process Lightning job (world size 1) that meets the other groups only through torchft. Trains
+:class:`~lightning_sync.models.DigitsCNN` on :class:`~lightning_sync.data.DigitsDataModule` with local SGD or DiLoCo
+and ``fault_tolerance=FaultTolerance(...)``, and writes, in ``out``:
+
+* ``progress_g<group>.jsonl``: one line per optimizer step (pid, global step, epoch, batch, torchft step, whether the
+  step synced and, when it did, the checksum of the parameters and buffers and whether the sync committed);
+* ``result_g<group>_<pid>.json`` when fit returns: the final model's validation accuracy (the whole validation
+  split), steps, strategy state, communication totals and fault-tolerance counters;
+* with ``"save"``: a checkpoint of the run's end (``trainer.save_checkpoint`` while the strategy is still set up).
+
+While the file ``<out>/slow`` exists every step sleeps ``slow`` seconds (four times as long in the last third of the
+run): the test keeps the survivors slow until the restarted group has rejoined, so the rejoin is tested on a slow
+machine too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_sync import DiLoCoStrategy, FaultTolerance, LocalSGDStrategy
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    torch.set_num_threads(1)
+    out = Path(cfg["out"])
+    group = cfg["group"]
+    progress = out / f"progress_g{group}.jsonl"
+    ft = FaultTolerance(
+        lighthouse=cfg["lighthouse"],
+        replica_group=group,
+        replica_groups=cfg["groups"],
+        min_replicas=1,
+        timeout=timedelta(seconds=cfg.get("timeout", 30)),
+        quorum_timeout=timedelta(seconds=cfg.get("quorum_timeout", 300)),
+        connect_timeout=timedelta(seconds=cfg.get("connect_timeout", 10)),
+        join_timeout=timedelta(seconds=cfg.get("join_timeout", 120)),
+    )
+    kwargs = dict(cfg.get("args", {}))
+    if cfg["strategy"] == "localsgd":
+        strategy = LocalSGDStrategy(fault_tolerance=ft, sync_stats=False, **kwargs)
+    else:
+        strategy = DiLoCoStrategy(fault_tolerance=ft, sync_stats=False, **kwargs)
+
+    class Progress(pl.Callback):
+        def __init__(self) -> None:
+            self.synced = 0
+            self.failed = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            s = trainer.strategy
+            synced = s.step_counter.sync_steps > self.synced
+            record = {
+                "pid": os.getpid(),
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "batch": batch_idx,
+                "ft_step": s._ft.step,
+                "synced": synced,
+                "time": time.time(),
+            }
+            if synced:
+                record["committed"] = s.ft_failed_syncs == self.failed
+                record["checksum"] = s.flat.checksum(s.flat.state_tensors()).tolist()
+                record["replicas"] = s.ft_replicas
+            self.synced, self.failed = s.step_counter.sync_steps, s.ft_failed_syncs
+            with progress.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if (out / "slow").exists():  # slower still late in the run: the survivors must not finish before the rejoin
+                time.sleep(cfg["slow"] if trainer.global_step < cfg["max_steps"] * 2 // 3 else 4 * cfg["slow"])
+
+    class SaveAtEnd(pl.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            if cfg.get("save"):
+                trainer.save_checkpoint(cfg["save"])
+
+    pl.seed_everything(cfg.get("seed", 0), verbose=False)
+    model = DigitsCNN()
+    data = DigitsDataModule(batch_size=32)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=cfg["max_steps"],
+        max_epochs=-1,
+        limit_val_batches=0,
+        callbacks=[Progress(), SaveAtEnd()],
+        **quiet_trainer_kwargs(),
+    )
+    start = time.time()
+    trainer.fit(model, data, ckpt_path=cfg.get("resume"))
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in data.val_dataloader():
+            correct += int((model(x).argmax(1) == y).sum())
+            total += len(y)
+    result = {
+        "pid": os.getpid(),
+        "group": group,
+        "val_acc": correct / total,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "fit_s": time.time() - start,
+        "strategy_step": strategy._step,
+        "sync_steps": strategy.step_counter.sync_steps,
+        "metrics": strategy.sync_metrics(),
+        "bytes": dict(strategy.comm_stats.bytes_sent),
+        "ops": dict(strategy.comm_stats.ops),
+        "checksum": hashlib.sha1(b"".join(t.numpy().tobytes() for t in model.state_dict().values())).hexdigest(),
+    }
+    (out / f"result_g{group}_{os.getpid()}.json").write_text(json.dumps(result, indent=1))
+    print(f"replica group {group}: fit returned", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

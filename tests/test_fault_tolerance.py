@@ -1,0 +1,374 @@
+"""Fault-tolerant replica groups on torchft (``fault_tolerance=FaultTolerance(...)``): a run survives a lost replica.
+
+Real processes, a real lighthouse, a real SIGKILL: the test starts ``lightning-sync lighthouse`` on a free port and
+three replica groups (``tests/ft_worker.py``, one process each, its own session and rendezvous port), kills one with
+SIGKILL in the middle of an epoch and, in the first case, starts it again. Asserted:
+
+* the survivors never restart (one process each, exit status 0) and keep stepping: their step counters go 1, 2, ...
+  to the end with no gap, and they sync with two replica groups while the third is gone;
+* the restarted group resumes from its peers' state, not from scratch (its first step is a step of theirs), and after
+  its first sync holds exactly what they hold (checksums of parameters and buffers at the same torchft step);
+* every group reaches the digits workload's target (validation accuracy 0.95) and ends with the same model;
+* a checkpoint the restarted group takes after the rejoin resumes (global step, schedule and torchft step go on);
+* a group that never comes back: the others finish with one replica group fewer;
+* the lighthouse unreachable at start: a clear error naming it, not a hang; a strategy or argument that cannot run
+  fault-tolerant, or a replica group configured differently from its peers: an error saying why.
+
+Nothing depends on the machine's speed: the survivors step slowly (a file the workers look at) until the restarted
+group has rejoined, every wait is bounded generously and fails the test as a hang, and no duration is asserted.
+``LIGHTNING_SYNC_SLOW_TESTS=1`` adds DiLoCo killed and restarted, local SGD's group that never returns, and the
+lighthouse gone during the run (every group stops at its next sync with a clear error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from launch import free_port
+
+from lightning_sync.launch import kill_session
+
+pytest.importorskip("torchft", reason='fault tolerance needs the "ft" extra: pip install -e ".[ft]"')
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("ft_worker.py")
+SLOW = os.environ.get("LIGHTNING_SYNC_SLOW_TESTS") == "1"
+GROUPS = 3
+TARGET = 0.95  # the digits workload's target (lightning_sync/configs/compare_default.yaml)
+KILL_AT = 23  # the victim's global step when it is killed: the middle of its second epoch (14 steps per epoch)
+LIMIT_S = 400  # any wait: start-up of four Lightning processes and the whole run on a loaded 2-core machine
+RUNS = {
+    # period 4, syncing after every 4th step (steps 3, 7, ...): DiLoCo's schedule, torchft's LocalSGD's
+    "localsgd": dict(args={"period": 4, "offset": 3, "verify_sync": True}, max_steps=90),
+    # an outer optimizer with momentum: its state (and the global parameters) travel to a restarted group
+    "diloco": dict(
+        args={"sync_every": 4, "outer_optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.5, "nesterov": True}},
+        max_steps=126,
+    ),
+}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+class Run:
+    """A lighthouse and replica-group processes in ``out``; everything it started is killed at the end."""
+
+    def __init__(self, out: Path, strategy: str) -> None:
+        self.out = out
+        self.strategy = strategy
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def lighthouse(self) -> None:
+        log = self.out / "lighthouse.log"
+        cmd = [sys.executable, "-m", "lightning_sync.cli", "lighthouse", "--bind", f"[::]:{self.port}"]
+        cmd += ["--min-replicas", "1", "--join-timeout-ms", "3000", "--heartbeat-timeout-ms", "1500"]
+        self._popen(cmd, log)
+
+    def group(self, group: int, tag: str = "", **extra) -> subprocess.Popen:
+        cfg = dict(
+            strategy=self.strategy,
+            lighthouse=self.url,
+            group=group,
+            groups=GROUPS,
+            out=str(self.out),
+            slow=0.3,
+            connect_timeout=60,
+            save=str(self.out / f"end_g{group}{tag}.ckpt"),
+            **RUNS[self.strategy],
+        )
+        cfg.update(extra)
+        return self._popen([sys.executable, str(WORKER), json.dumps(cfg)], self.out / f"g{group}{tag}.log")
+
+    def _popen(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        self.logs.append(log)
+        with log.open("w") as f:
+            proc = subprocess.Popen(
+                cmd, env=env, cwd=self.out, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.procs.append(proc)
+        return proc
+
+    def progress(self, group: int) -> list[dict]:
+        path = self.out / f"progress_g{group}.jsonl"
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                break
+        return records
+
+    def wait_until(self, what: str, done, watch: list[subprocess.Popen]) -> None:
+        deadline = time.monotonic() + LIMIT_S
+        while not done():
+            if any(p.poll() is not None for p in watch):
+                pytest.fail(f"a process exited while waiting for {what}\n{self.dump()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {LIMIT_S} s (hang)\n{self.dump()}")
+            time.sleep(0.05)
+
+    def finish(self, procs: list[subprocess.Popen]) -> list[int]:
+        deadline = time.monotonic() + LIMIT_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a replica group still runs {LIMIT_S} s on (hang)\n{self.dump()}")
+        return [p.returncode for p in procs]
+
+    def results(self, group: int) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob(f"result_g{group}_*.json"))]
+
+    def dump(self) -> str:
+        return "\n".join(f"--- {log.name} (last 3000 chars)\n{log.read_text()[-3000:]}" for log in self.logs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            kill_session(p)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    runs: list[Run] = []
+
+    def make(strategy: str) -> Run:
+        run = Run(tmp_path, strategy)
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def _by_pid(records: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["pid"], []).append(r)
+    return out
+
+
+def _committed_syncs(records: list[dict]) -> dict[int, list[int]]:
+    """torchft step -> checksum of the parameters and buffers right after the sync that committed it."""
+    return {r["ft_step"]: r["checksum"] for r in records if r["synced"] and r["committed"]}
+
+
+def _start_and_kill(run: Run, restart: bool) -> tuple[list[subprocess.Popen], subprocess.Popen | None, int]:
+    (run.out / "slow").touch()  # every group steps slowly until the test says otherwise
+    run.lighthouse()
+    procs = [run.group(g) for g in range(GROUPS)]
+    victim = procs[1]
+    run.wait_until(
+        f"replica group 1 at step {KILL_AT}", lambda: any(r["step"] >= KILL_AT for r in run.progress(1)), procs
+    )
+    os.kill(victim.pid, signal.SIGKILL)
+    assert victim.wait(timeout=60) == -signal.SIGKILL
+    killed_at = max(r["step"] for r in run.progress(1))
+    back = None
+    if restart:
+        back = run.group(1, tag="b")
+        run.wait_until(
+            "the restarted replica group's first step",
+            lambda: any(r["pid"] == back.pid for r in run.progress(1)),
+            [procs[0], procs[2], back],
+        )
+    (run.out / "slow").unlink()
+    return procs, back, killed_at
+
+
+def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps: int) -> None:
+    dump = run.dump()
+    for g in survivors:
+        assert codes[g] == 0, f"replica group {g} exited with {codes[g]}\n{dump}"
+        runs = _by_pid(run.progress(g))
+        assert len(runs) == 1, f"replica group {g} restarted ({len(runs)} processes)"
+        steps = [r["step"] for r in next(iter(runs.values()))]
+        assert steps == list(range(1, max_steps + 1)), f"replica group {g}'s steps have a gap: {steps}"
+        syncs = [r for r in run.progress(g) if r["synced"]]
+        assert any(r["replicas"] == GROUPS - 1 for r in syncs), f"group {g} never synced without the lost group"
+        assert all(r["committed"] for r in syncs if r["step"] > KILL_AT + 8), "a sync failed well after the kill"
+        (result,) = run.results(g)
+        assert result["val_acc"] >= TARGET, f"replica group {g} ends at validation accuracy {result['val_acc']}"
+        assert result["global_step"] == max_steps
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+@pytest.mark.parametrize(
+    "strategy",
+    ["localsgd", pytest.param("diloco", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))],
+)
+def test_a_killed_replica_group_restarts_and_rejoins_while_the_others_keep_training(strategy, run_dir):
+    run = run_dir(strategy)
+    max_steps = RUNS[strategy]["max_steps"]
+    procs, back, killed_at = _start_and_kill(run, restart=True)
+    codes = run.finish([procs[0], back, procs[2]])
+    _check_survivors(run, [codes[0], None, codes[2]], [0, 2], max_steps)
+    assert codes[1] == 0, f"the restarted replica group exited with {codes[1]}\n{run.dump()}"
+
+    runs = _by_pid(run.progress(1))
+    assert set(runs) == {procs[1].pid, back.pid}
+    first = runs[back.pid][0]
+    # it resumed from its peers' state, mid-run, at one of their steps: not from scratch, not from its own past
+    assert first["step"] > killed_at + 1, f"the restarted group started at step {first['step']}"
+    assert [r["step"] for r in runs[back.pid]] == list(range(first["step"], max_steps + 1))
+    # Lightning's loops came with the state: the same epoch and position in it as the peers at that step
+    peer = {r["step"]: r for r in run.progress(0)}[first["step"]]
+    assert (first["epoch"], first["batch"]) == (peer["epoch"], peer["batch"])
+    # after its first sync it holds exactly what its peers hold after theirs (same torchft step)
+    mine = [r for r in runs[back.pid] if r["synced"]]
+    assert mine and mine[0]["committed"] and mine[0]["replicas"] == GROUPS
+    peers = _committed_syncs(run.progress(0))
+    assert mine[0]["ft_step"] in peers and mine[0]["checksum"] == peers[mine[0]["ft_step"]]
+    assert _committed_syncs(run.progress(2))[mine[0]["ft_step"]] == peers[mine[0]["ft_step"]]
+    results = [run.results(0)[0], [r for r in run.results(1) if r["pid"] == back.pid][0], run.results(2)[0]]
+    assert len({r["checksum"] for r in results}) == 1, "the replica groups end with different models"
+    assert results[1]["val_acc"] >= TARGET and results[1]["global_step"] == max_steps
+    assert results[1]["metrics"]["ft_heals"] >= 1 and results[0]["bytes"].get("recovery", 0) > 0
+
+    # a checkpoint the restarted group took after the rejoin resumes: steps, schedule and torchft's step go on
+    ckpt = run.out / "end_g1b.ckpt"
+    assert ckpt.exists() and Path(f"{ckpt}.rank0").exists()
+    more = 8
+    resumed = run.group(1, tag="r", resume=str(ckpt), max_steps=max_steps + more, join_timeout=2, save=None)
+    assert run.finish([resumed]) == [0], run.dump()
+    after = _by_pid(run.progress(1))[resumed.pid]
+    assert [r["step"] for r in after] == list(range(max_steps + 1, max_steps + more + 1))
+    (result,) = [r for r in run.results(1) if r["pid"] == resumed.pid]
+    assert result["strategy_step"] == max_steps + more
+    # torchft's step as saved (the step's end, before the final average), plus the commit of the resumed start
+    assert after[0]["ft_step"] == runs[back.pid][-1]["ft_step"] + 1
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+@pytest.mark.parametrize(
+    "strategy",
+    ["diloco", pytest.param("localsgd", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))],
+)
+def test_a_replica_group_that_never_returns_leaves_the_others_to_finish_with_one_fewer(strategy, run_dir):
+    run = run_dir(strategy)
+    max_steps = RUNS[strategy]["max_steps"]
+    procs, _, _ = _start_and_kill(run, restart=False)
+    codes = run.finish([procs[0], procs[2]])
+    _check_survivors(run, [codes[0], None, codes[1]], [0, 2], max_steps)
+    for g in (0, 2):
+        syncs = [r for r in run.progress(g) if r["synced"]]
+        assert all(r["replicas"] == GROUPS - 1 for r in syncs if r["step"] > KILL_AT + 8)
+    assert run.results(0)[0]["checksum"] == run.results(2)[0]["checksum"]
+    assert run.results(1) == []
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_an_unreachable_lighthouse_at_start_is_a_clear_error_not_a_hang(tmp_path, single_process):
+    import lightning.pytorch as pl
+
+    from lightning_sync import FaultTolerance, LocalSGDStrategy
+    from lightning_sync.comm.ft import FaultToleranceError
+    from lightning_sync.data import DigitsDataModule
+    from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.models import DigitsCNN
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    ft = FaultTolerance(lighthouse=url, replica_group=0, replica_groups=2, connect_timeout=timedelta(seconds=2))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=LocalSGDStrategy(fault_tolerance=ft),
+        max_steps=2,
+        **quiet_trainer_kwargs(),
+    )
+    with pytest.raises(FaultToleranceError, match=r"cannot reach the torchft lighthouse at http://127\.0\.0\.1:\d+"):
+        trainer.fit(DigitsCNN(), DigitsDataModule())
+
+
+@pytest.mark.timeout(LIMIT_S)
+@pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1")
+def test_a_lighthouse_gone_during_the_run_stops_every_group_at_its_next_sync_with_a_clear_error(run_dir):
+    run = run_dir("localsgd")
+    run.lighthouse()
+    lighthouse = run.procs[0]
+    procs = [run.group(g, groups=2, timeout=10, max_steps=400) for g in range(2)]
+    run.wait_until("step 10", lambda: any(r["step"] >= 10 for r in run.progress(0)), procs)
+    kill_session(lighthouse)
+    assert run.finish(procs) == [1, 1], run.dump()
+    for g, log in enumerate(run.logs[1:]):
+        text = log.read_text()
+        assert (
+            f"replica group 'replica_{g}' could not get a quorum from the lighthouse at {run.url} within 10 s" in text
+        )
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_replica_groups_configured_differently_stop_with_an_error_naming_the_difference(run_dir):
+    run = run_dir("localsgd")
+    run.lighthouse()
+    procs = [run.group(0, groups=2), run.group(1, groups=2, args={"period": 8, "offset": 7})]
+    assert run.finish(procs) == [1, 1], run.dump()
+    for log in run.logs[1:]:
+        text = log.read_text()
+        assert "FaultToleranceError: fault tolerance: replica group 1's config is" in text, text[-3000:]
+        assert "'period': 8" in text and "'period': 4" in text and "all groups stop" in text
+    assert run.results(0) == [] and run.results(1) == []
+
+
+def test_fault_tolerance_is_refused_where_it_cannot_work_and_validated(monkeypatch):
+    from lightning_sync import (
+        BSPStrategy,
+        DiLoCoStrategy,
+        FaultTolerance,
+        FedAvgStrategy,
+        LocalSGDStrategy,
+        OSPStrategy,
+        SelSyncStrategy,
+    )
+
+    ft = FaultTolerance(lighthouse="http://127.0.0.1:29510", replica_group=1, replica_groups=3)
+    assert ft.replica_id == "replica_1" and ft.min_replicas == 1
+    LocalSGDStrategy(period=4, fault_tolerance=ft)
+    DiLoCoStrategy(sync_every=4, fragments=2, fault_tolerance=ft)
+    with pytest.raises(ValueError, match="must be None for SelSyncStrategy, which cannot run fault-tolerant: .*vote"):
+        SelSyncStrategy(fault_tolerance=ft)
+    for cls in (BSPStrategy, OSPStrategy, FedAvgStrategy):
+        with pytest.raises(ValueError, match=f"{cls.__name__}, which cannot run fault-tolerant"):
+            cls(fault_tolerance=ft)
+    with pytest.raises(ValueError, match="does not support compression='int8'"):
+        LocalSGDStrategy(fault_tolerance=ft, compression="int8")
+    with pytest.raises(ValueError, match="needs delay=0"):
+        DiLoCoStrategy(sync_every=4, delay=1, fault_tolerance=ft)
+    with pytest.raises(ValueError, match="fault_tolerance must be a lightning_sync.FaultTolerance"):
+        LocalSGDStrategy(fault_tolerance={"lighthouse": "http://x:1"})
+
+    for env in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):
+        monkeypatch.delenv(env, raising=False)
+    with pytest.raises(ValueError, match="lighthouse must be the lighthouse's URL"):
+        FaultTolerance(replica_group=0, replica_groups=2)
+    with pytest.raises(ValueError, match="replica_groups is not given and NUM_REPLICA_GROUPS is not set"):
+        FaultTolerance(lighthouse="http://h:1", replica_group=0)
+    with pytest.raises(ValueError, match=r"replica_group must be in \[0, replica_groups=2\)"):
+        FaultTolerance(lighthouse="http://h:1", replica_group=2, replica_groups=2)
+    with pytest.raises(ValueError, match="min_replicas must be an integer in"):
+        FaultTolerance(lighthouse="http://h:1", replica_group=0, replica_groups=2, min_replicas=3)
+    with pytest.raises(ValueError, match="timeout must be a datetime.timedelta"):
+        FaultTolerance(lighthouse="http://h:1", replica_group=0, replica_groups=2, timeout=-1)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
+    from_env = FaultTolerance()
+    assert (from_env.lighthouse, from_env.replica_group, from_env.replica_groups) == ("http://lighthouse:29510", 2, 4)
