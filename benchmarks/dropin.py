@@ -25,6 +25,7 @@ than cores, wall times say little; accuracies and step counts do not depend on t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -77,7 +78,14 @@ class Block(nn.Module):
 class ResNetish(pl.LightningModule):
     """Small ResNet-style classifier with the training recipe of an ordinary script."""
 
-    def __init__(self, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 5e-4, width: int = 8) -> None:
+    def __init__(
+        self,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        width: int = 8,
+        schedule: str = "onecycle",
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
@@ -119,6 +127,8 @@ class ResNetish(pl.LightningModule):
         opt = torch.optim.SGD(
             self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=True
         )
+        if hp.schedule == "constant":  # an ablation (--schedule constant): no schedule
+            return opt
         total = self.trainer.estimated_stepping_batches
         if math.isfinite(total) and total >= 1:
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp.lr, total_steps=int(total))
@@ -236,6 +246,10 @@ def run_user_script(
     strategy_kwargs: dict[str, Any] | None = None,
     interrupt_at: int | None = None,
     callbacks: Callable[[], list[pl.Callback]] | None = None,
+    trainer_overrides: dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 32,
+    evaluate: bool = True,
 ) -> dict[str, Any]:
     """The user's whole script with ``strategy=name``: fit, validate, test (also from the best checkpoint), predict.
 
@@ -243,9 +257,11 @@ def run_user_script(
     by a new Trainer of the same configuration, which then trains to the end and is evaluated. Returns what this
     rank read: whether setup refused a setting (and why, and what was changed), the accuracies, the predictions'
     size, epochs and steps (where the resume started), and the strategy's metrics. ``callbacks`` makes extra callbacks
-    for each Trainer (tests use it to look inside)."""
+    for each Trainer (tests use it to look inside). ``trainer_overrides`` change the Trainer's arguments (``CONFIGS``:
+    precision and clipping), ``model_kwargs`` the model's (``lr``, ``width``...), ``batch_size`` the per-rank batch;
+    ``evaluate=False`` stops after fit (no validate / test / predict: ``val_acc`` is the last validation's)."""
     res: dict[str, Any] = {"strategy": name, "refused": None, "changed": {}}
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(trainer_overrides or {})
 
     def trainer_for(*extra: pl.Callback) -> pl.Trainer:
         pl.seed_everything(seed, verbose=False)
@@ -257,7 +273,7 @@ def run_user_script(
     stop = [_StopAfter(interrupt_at)] if interrupt_at is not None else []
     for attempt in range(len(ADAPTATIONS) + 1):
         trainer = trainer_for(*stop)
-        model, data = ResNetish(), DigitsImages(seed=seed)
+        model, data = ResNetish(**(model_kwargs or {})), DigitsImages(batch_size=batch_size, seed=seed)
         t0 = time.perf_counter()
         try:
             trainer.fit(model, data)
@@ -284,7 +300,7 @@ def run_user_script(
             "epoch_complete": not math.isfinite(per_epoch) or batches >= per_epoch,
         }
         trainer = trainer_for(start := _ResumeStart())
-        model = ResNetish()
+        model = ResNetish(**(model_kwargs or {}))
         trainer.fit(model, data, ckpt_path=ckpt.last_model_path)
         res["resume_start"] = start.start
     res["fit_s"] = time.perf_counter() - t0
@@ -294,6 +310,8 @@ def run_user_script(
     res["best_val_acc"] = float(ckpt.best_model_score) if ckpt.best_model_score is not None else None
     res["epoch"], res["global_step"] = trainer.current_epoch, trainer.global_step
     res["metrics"] = trainer.strategy.sync_metrics() if hasattr(trainer.strategy, "sync_metrics") else {}
+    if not evaluate:
+        return res
     res["validate_acc"] = float(trainer.validate(model, data, verbose=False)[0]["val_acc"])
     res["test_acc"] = float(trainer.test(model, data, verbose=False)[0]["test_acc"])
     res["best_test_acc"] = float(trainer.test(model, data, ckpt_path="best", verbose=False)[0]["test_acc"])
@@ -325,7 +343,61 @@ class _ResumeStart(pl.Callback):
 
 
 # ----------------------------------------------------------------------------------------------- the table
-def _worker(rank: int, out: str, names: list[str], seeds: list[int], epochs: int) -> None:
+def parse_row(entry: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME@KEY=VALUE[@...]`` (``diloco@sync_every=8@outer_optimizer=None``): the strategy and its init
+    arguments (values are Python literals: numbers, None, True, strings, dicts; anything else is taken as a string)."""
+    import ast
+
+    name, *items = entry.split("@")
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"a row must look like NAME@KEY=VALUE, e.g. diloco@sync_every=8; got @{item!r}")
+        try:
+            kwargs[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            kwargs[key] = text
+    if name == "ddp" and kwargs:
+        raise ValueError("ddp@KEY=VALUE: the ddp row is Lightning's own DDPStrategy, the reference; it has no variants")
+    return name, kwargs
+
+
+def split_rows(text: str) -> list[str]:
+    """``--strategies``' rows: split on the commas outside brackets (a row's dict value holds commas)."""
+    rows, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "{[(" and 1 or 0
+        depth -= ch in "}])" and 1 or 0
+        if ch == "," and depth == 0:
+            rows.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    rows.append(current.strip())
+    return [r for r in rows if r]
+
+
+#: ``--config``: the user script's Trainer precision and clipping (the script's own: clipping + bf16-mixed)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "clip+bf16": {},
+    "fp32": {"precision": "32-true", "gradient_clip_val": None},
+    "clip": {"precision": "32-true"},
+    "bf16": {"gradient_clip_val": None},
+}
+
+
+def _worker(
+    rank: int,
+    out: str,
+    names: list[str],
+    seeds: list[int],
+    epochs: int,
+    config: str = "clip+bf16",
+    model_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 32,
+    evaluate: bool = True,
+) -> None:
     import warnings
 
     import lightning_sync  # noqa: F401  (registers the names)
@@ -334,10 +406,22 @@ def _worker(rank: int, out: str, names: list[str], seeds: list[int], epochs: int
     world = int(os.environ["WORLD_SIZE"])
     rows = []
     for seed in seeds:
-        for name in names:
-            root = Path(out) / f"{name}_s{seed}"
-            res = run_user_script(name, root, world, epochs=epochs, seed=seed)
-            res.update(seed=seed, world=world)
+        for entry in names:
+            name, kwargs = parse_row(entry)
+            root = Path(out) / f"r{names.index(entry)}_s{seed}"
+            res = run_user_script(
+                name,
+                root,
+                world,
+                epochs=epochs,
+                seed=seed,
+                strategy_kwargs=kwargs,
+                trainer_overrides=CONFIGS[config],
+                model_kwargs=model_kwargs,
+                batch_size=batch_size,
+                evaluate=evaluate,
+            )
+            res.update(seed=seed, world=world, strategy=entry, config=config)
             rows.append(res)
     if rank == 0:
         (Path(out) / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
@@ -426,30 +510,84 @@ def _diloco_worker(rank: int, out: str, seeds: list[int], epochs: int) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    by: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in rows:
-        by.setdefault((r["world"], r["strategy"]), []).append(r)
+        by.setdefault((r.get("config", "clip+bf16"), r["world"], r["strategy"]), []).append(r)
     lines = []
-    for world in sorted({w for w, _ in by}):
-        ref = statistics.mean(r["val_acc"] for r in by[(world, "ddp")])
-        ref_test = statistics.mean(r["test_acc"] for r in by[(world, "ddp")])
-        lines.append(f"\n## {world} ranks, {len(by[(world, 'ddp')])} seed(s): every strategy at its defaults vs ddp")
+    with_test = any("test_acc" in r for r in rows)  # --fit-only: no test columns
+    for config, world in sorted({(c, w) for c, w, _ in by}):
+        refs = by[(config, world, "ddp")]
+        ref = statistics.mean(r["val_acc"] for r in refs)
+        ref_test = statistics.mean(r.get("test_acc", math.nan) for r in refs)
+        seeds = [r["seed"] for r in refs]
         lines.append(
-            "| strategy | val acc | vs ddp (points) | test acc | vs ddp | LSSR | steps | refused at setup -> changed |"
+            f"\n## {config}, {world} ranks, {len(refs)} seed(s) {seeds}: every strategy at its defaults vs ddp"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---|")
-        for (w, name), rs in by.items():
-            if w != world:
+        test_head, test_rule = ("test acc | vs ddp | ", "---:|---:|") if with_test else ("", "")
+        lines.append(
+            f"| strategy | val acc mean (worst) | vs ddp (points) | per seed | {test_head}LSSR | steps | "
+            "refused at setup -> changed |"
+        )
+        lines.append(f"|---|---:|---:|---|{test_rule}---:|---:|---|")
+        for (c, w, name), rs in by.items():
+            if (c, w) != (config, world):
                 continue
             val = statistics.mean(r["val_acc"] for r in rs)
-            test = statistics.mean(r["test_acc"] for r in rs)
-            lssr = rs[0]["metrics"].get("lssr")
+            worst = min(r["val_acc"] for r in rs)
+            test = statistics.mean(r.get("test_acc", math.nan) for r in rs)
+            lssr = [r["metrics"].get("lssr") for r in rs if r["metrics"].get("lssr") is not None]
             refused = rs[0]["refused"]
             why = f"{refused.split(':')[0][:60]}... -> {rs[0]['changed']}" if refused else ""
+            per_seed = " ".join(f"{r['val_acc']:.3f}" for r in rs)
+            if not with_test:
+                tests = "|"
+            elif math.isnan(test):
+                tests = "| | |"
+            else:
+                tests = f"| {test:.4f} | {100 * (test - ref_test):+.2f} |"
             lines.append(
-                f"| {name} | {val:.4f} | {100 * (val - ref):+.2f} | {test:.4f} | {100 * (test - ref_test):+.2f} | "
-                f"{'' if lssr is None else f'{lssr:.3f}'} | {rs[0]['global_step']} | {why} |"
+                f"| {name} | {val:.4f} ({worst:.3f}) | {100 * (val - ref):+.2f} | {per_seed} {tests} "
+                f"{'' if not lssr else f'{statistics.mean(lssr):.3f}'} | {rs[0]['global_step']} | {why} |"
             )
+    return "\n".join(lines)
+
+
+def seed_analysis(rows: list[dict[str, Any]], check_seeds: int = 5, margin: float = 3.0) -> str:
+    """What a check "the mean over ``check_seeds`` seeds within ``margin`` points of ddp's, on the same seeds" sees,
+    per configuration and strategy, from runs over more seeds: the mean gap over all seeds, the gap on the first
+    ``check_seeds`` seeds (the test's), the worst gap over every subset of that size, the share of subsets that
+    fail, and a normal estimate of the chance that a new draw of seeds (another machine's arithmetic) fails
+    (the per-seed gaps' spread over sqrt(check_seeds)); then the sum of those chances over the checks (a bound on
+    the chance that any fails). Also the lowest single run against ddp's lowest (the collapse check's margin)."""
+    by: dict[tuple[str, str], dict[int, float]] = {}
+    for r in rows:
+        by.setdefault((r.get("config", "clip+bf16"), r["strategy"]), {})[r["seed"]] = r["val_acc"]
+    lines = [
+        f"| config | strategy | seeds | mean gap | first {check_seeds} | worst {check_seeds}-subset | subsets failing "
+        f"| P(new draw fails) | lowest run - ddp's lowest |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    total = 0.0
+    for (config, name), accs in sorted(by.items()):
+        ddp = by.get((config, "ddp"))
+        if name == "ddp" or ddp is None:
+            continue
+        seeds = sorted(set(accs) & set(ddp))
+        gaps = [100 * (accs[s] - ddp[s]) for s in seeds]
+        mean = statistics.mean(gaps)
+        spread = statistics.stdev(gaps) / math.sqrt(check_seeds) if len(gaps) > 1 else 0.0
+        p = 0.5 * (1 + math.erf((-margin - mean) / (spread * math.sqrt(2)))) if spread > 0 else float(mean < -margin)
+        total += p
+        subsets = list(itertools.combinations(range(len(seeds)), min(check_seeds, len(seeds))))
+        subset_gaps = [statistics.mean(gaps[i] for i in c) for c in subsets]
+        first = statistics.mean(gaps[:check_seeds])
+        failing = sum(g < -margin for g in subset_gaps)
+        lowest = 100 * (min(accs[s] for s in seeds) - min(ddp[s] for s in seeds))
+        lines.append(
+            f"| {config} | {name} | {len(seeds)} | {mean:+.2f} | {first:+.2f} | {min(subset_gaps):+.2f} | "
+            f"{failing}/{len(subsets)} | {p:.1e} | {lowest:+.1f} |"
+        )
+    lines.append(f"\nsum of P(new draw fails) over the checks: {total:.3f}")
     return "\n".join(lines)
 
 
@@ -461,12 +599,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--epochs", type=int, default=EPOCHS)
-    parser.add_argument("--strategies", default=",".join(("ddp", *STRATEGIES)))
+    parser.add_argument(
+        "--strategies",
+        default=",".join(("ddp", *STRATEGIES)),
+        help="comma-separated rows: NAME, or NAME@KEY=VALUE[@...] for a strategy with those init arguments "
+        "(e.g. diloco@sync_every=8, diloco@outer_optimizer=None, selsync@vote='exact')",
+    )
+    parser.add_argument(
+        "--config",
+        nargs="+",
+        default=["clip+bf16"],
+        choices=list(CONFIGS),
+        help="the script's precision and clipping: clip+bf16 (the script's own: gradient_clip_val=1.0, "
+        "bf16-mixed), fp32 (no clipping, 32-true), clip (clipping, 32-true), bf16 (bf16-mixed, no clipping)",
+    )
+    parser.add_argument("--json", default=None, help="also write every run's row here")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank training batch (the script's: 32)")
+    parser.add_argument("--lr", type=float, default=0.1, help="the script's maximum learning rate (0.1)")
+    parser.add_argument("--width", type=int, default=8, help="the model's width (8)")
+    parser.add_argument(
+        "--schedule",
+        choices=("onecycle", "constant"),
+        default="onecycle",
+        help="the script's per-step OneCycleLR, or a constant rate (an ablation)",
+    )
+    parser.add_argument(
+        "--fit-only", action="store_true", help="stop after fit (validation accuracy only: no validate/test/predict)"
+    )
     parser.add_argument("--selsync-sweep", action="store_true", help="SelSync's sync_fraction vs accuracy")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     parser.add_argument("--diloco-outer", action="store_true", help="DiLoCo's outer optimizer variants vs ddp")
     parser.add_argument("--out", default=None, help="keep the runs' files here (default: a temporary directory)")
+    parser.add_argument(
+        "--analyse",
+        metavar="ROWS_JSON",
+        default=None,
+        help="no runs: read the rows --json wrote and print, per strategy and configuration, what a check of the "
+        "mean over --check-seeds seeds against ddp's would see (tests/test_dropin.py's ordinary-model check)",
+    )
+    parser.add_argument("--check-seeds", type=int, default=5, help="seeds per check (--analyse; 5)")
+    parser.add_argument("--margin", type=float, default=3.0, help="the check's margin in points (--analyse; 3)")
     args = parser.parse_args(argv)
+    if args.analyse:
+        print(seed_analysis(json.loads(Path(args.analyse).read_text()), args.check_seeds, args.margin))
+        return None
 
     from lightning_sync.launch import launch_local
 
@@ -498,16 +674,35 @@ def main(argv: list[str] | None = None) -> None:
                     cells = [f"{r['val_acc']:.4f} ({r['test_acc']:.4f})" for r in rows if r["label"] == label]
                     print(f"| {label} | " + " | ".join(cells) + " |")
             return None
-        names = args.strategies.split(",")
+        names = split_rows(args.strategies)
+        for entry in names:
+            parse_row(entry)  # fail now, not in every run
         rows = []
-        for world in args.world:
-            t0 = time.perf_counter()
-            launch_local(_worker, world, str(out / f"w{world}"), names, args.seeds, args.epochs)
-            rows += json.loads((out / f"w{world}" / "rows.json").read_text())
-            print(f"[dropin] {world} ranks: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        for config in args.config:
+            for world in args.world:
+                t0 = time.perf_counter()
+                where = out / f"{config}_w{world}"
+                model_kwargs = {"lr": args.lr, "width": args.width, "schedule": args.schedule}
+                launch_local(
+                    _worker,
+                    world,
+                    str(where),
+                    names,
+                    args.seeds,
+                    args.epochs,
+                    config,
+                    model_kwargs,
+                    args.batch_size,
+                    not args.fit_only,
+                )
+                rows += json.loads((where / "rows.json").read_text())
+                print(f"[dropin] {config}, {world} ranks: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
         print(
             f"Drop-in check (benchmarks/dropin.py): user-style script, {args.epochs} epochs, digits 8x8, ResNet-style "
-            "CNN, SGD Nesterov + OneCycleLR, clipping, bf16-mixed, val_check_interval=0.5; CPU, 1 thread per rank"
+            "CNN, SGD Nesterov + OneCycleLR, val_check_interval=0.5; CPU, 1 thread per rank; validation accuracy "
+            "after fit"
         )
         print(_table(rows))
     return None

@@ -17,6 +17,8 @@ K = 10  # steps of the equivalence runs: syncs after steps 2, 5, 8 (H = 3), and 
 H = 3
 NESTEROV = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 LR1 = {"name": "sgd", "lr": 1.0}
+SLOWMO = {"name": "sgd", "lr": 1.0, "momentum": 0.5}
+CLIP = 0.05  # gradient_clip_val of the clipping runs: small enough that DigitsCNN's gradients are clipped
 STREAM_STEPS = 13
 STREAM = dict(sync_every=4, fragments=2, delay=1, alpha=0.5)
 
@@ -24,7 +26,14 @@ STREAM = dict(sync_every=4, fragments=2, delay=1, alpha=0.5)
 def _suite(rank: int, out_dir: str) -> None:
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_sync import ADPSGDStrategy, DiLoCoStrategy, FedAvgStrategy, LocalSGDStrategy, SelSyncStrategy
+    from lightning_sync import (
+        ADPSGDStrategy,
+        BSPStrategy,
+        DiLoCoStrategy,
+        FedAvgStrategy,
+        LocalSGDStrategy,
+        SelSyncStrategy,
+    )
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
@@ -129,7 +138,7 @@ def _suite(rank: int, out_dir: str) -> None:
             )
 
     probe = Probe()
-    strategy = DiLoCoStrategy(**STREAM, link="2mbit,1ms", verify_sync=True)
+    strategy = DiLoCoStrategy(**STREAM, outer_optimizer=SLOWMO, link="2mbit,1ms", verify_sync=True)
     tr = fit("stream", strategy, max_steps=STREAM_STEPS, callbacks=[probe])
     torch.save(probe.rows, out / f"stream_rows_rank{rank}.pt")
     model = DigitsCNN()
@@ -165,20 +174,47 @@ def _suite(rank: int, out_dir: str) -> None:
             )
 
     rates = Rates()
-    tr = fit("halving", DiLoCoStrategy(sync_every=H), callbacks=[rates], model_class=Halving)
+    tr = fit("halving", DiLoCoStrategy(sync_every=H, outer_optimizer=SLOWMO), callbacks=[rates], model_class=Halving)
     res["halving"] = rates.rows
 
-    # 6. outer_optimizer="auto" (the default) chooses from the inner optimizer: SGD above, AdamW here
+    # 6. outer_optimizer="auto" (the default) chooses from the inner optimizer: plain averaging over SGD (the same
+    #    model as local SGD after every H steps, case 1), the paper's outer step over AdamW
     class WithAdamW(DigitsCNN):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    auto = tr.strategy
+    auto = fit("auto_sgd", DiLoCoStrategy(sync_every=H), **f64).strategy
     tr = fit("adamw", DiLoCoStrategy(sync_every=H), max_steps=H, model_class=WithAdamW)
     res["auto"] = {
-        "sgd": [auto.outer_config.spec(), auto.outer_reason, auto.outer.steps],
+        "sgd": [auto.outer_config, auto.outer_reason, auto.outer],
         "adamw": [tr.strategy.outer_config.spec(), tr.strategy.outer_reason, tr.strategy.outer.steps],
     }
+
+    # 7. gradient clipping on local steps (local_clipping, every strategy): "scaled" clips a local gradient at
+    #    gradient_clip_val * sqrt(2), the same run as "as_given" at that value; SelSync's gradient syncs (every step
+    #    with delta=0 and aggregation="gradients") and BSP's steps clip the ranks' average at gradient_clip_val, as
+    #    "as_given"
+    def clipped(name, strategy, clip):
+        tr = fit(name, strategy, gradient_clip_val=clip)
+        return tr.strategy.local_clip_factor
+
+    res["clip_factor"] = clipped("clip_scaled", DiLoCoStrategy(sync_every=H), CLIP)
+    clipped("clip_as_given_sqrt2", DiLoCoStrategy(sync_every=H, local_clipping="as_given"), CLIP * 2**0.5)
+    clipped("clip_as_given", DiLoCoStrategy(sync_every=H, local_clipping="as_given"), CLIP)
+    clipped("selsync_clip_scaled", SelSyncStrategy(delta=0.0), CLIP)
+    clipped("selsync_clip_as_given_sqrt2", SelSyncStrategy(delta=0.0, local_clipping="as_given"), CLIP * 2**0.5)
+    clipped("selsync_grads_clip_scaled", SelSyncStrategy(delta=0.0, aggregation="gradients"), CLIP)
+    clipped(
+        "selsync_grads_clip_as_given",
+        SelSyncStrategy(delta=0.0, aggregation="gradients", local_clipping="as_given"),
+        CLIP,
+    )
+    clipped("localsgd_clip_scaled", LocalSGDStrategy(period=H), CLIP)
+    clipped("localsgd_clip_as_given_sqrt2", LocalSGDStrategy(period=H, local_clipping="as_given"), CLIP * 2**0.5)
+    clipped("bsp_clip_scaled", BSPStrategy(), CLIP)
+    clipped("bsp_clip_as_given", BSPStrategy(local_clipping="as_given"), CLIP)
+    tr = fit("clip_plugin", DiLoCoStrategy(sync_every=H), gradient_clip_val=CLIP)
+    res["clip_plugin_restored"] = "clip_gradients" not in vars(tr.precision_plugin)  # teardown put it back
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -314,14 +350,39 @@ def test_each_outer_step_receives_the_inner_learning_rate_of_its_rounds_last_ste
 
 
 def test_auto_outer_optimizer_is_chosen_from_the_inner_optimizer_at_setup(suite):
-    """The default: SlowMo's outer step over SGD, the paper's over AdamW, each logged with its reason and stepping."""
-    from lightning_sync.core.outer import DILOCO_OUTER, SLOWMO_OUTER
+    """The default: plain averaging over SGD (no outer state: the model of local SGD averaging after every H steps,
+    bit for bit), the paper's outer step over AdamW, each with its reason."""
+    from lightning_sync.core.outer import DILOCO_OUTER
 
-    _, results = suite
+    out, results = suite
     for r in results:
-        (sgd, sgd_why, sgd_steps), (adamw, adamw_why, adamw_steps) = r["auto"]["sgd"], r["auto"]["adamw"]
-        assert sgd == dict(SLOWMO_OUTER) and "SGD" in sgd_why and sgd_steps == K // H + 1  # + the final sync
+        (sgd, sgd_why, sgd_outer), (adamw, adamw_why, adamw_steps) = r["auto"]["sgd"], r["auto"]["adamw"]
+        assert sgd is None and sgd_outer is None and "plain averaging" in sgd_why and "SGD" in sgd_why
         assert adamw == dict(DILOCO_OUTER) and "AdamW" in adamw_why and adamw_steps == 1
+    for rank in range(WORLD):
+        assert max_diff(_load(out, "auto_sgd", rank), _load(out, "localsgd_after_h", rank)) == 0.0
+
+
+def test_a_local_gradient_is_clipped_at_sqrt_replicas_times_gradient_clip_val(suite):
+    """local_clipping="scaled" (default) is "as_given" at gradient_clip_val * sqrt(N), bit for bit, and differs from
+    "as_given" at gradient_clip_val (the clipping acts); SelSync's parameter aggregation clips local gradients
+    likewise, and its gradient syncs clip the average at gradient_clip_val; local SGD as DiLoCo; BSP's gradient is the
+    average: as given; teardown restores the plugin."""
+    out, results = suite
+    assert all(r["clip_factor"] == pytest.approx(2**0.5) for r in results)
+
+    def diff(a: str, b: str, rank: int) -> float:
+        return max_diff(_load(out, a, rank), _load(out, b, rank))
+
+    for rank in range(WORLD):
+        assert (
+            diff("clip_scaled", "clip_as_given_sqrt2", rank) == 0.0 and diff("clip_scaled", "clip_as_given", rank) > 0
+        )
+        assert diff("selsync_clip_scaled", "selsync_clip_as_given_sqrt2", rank) == 0.0
+        assert diff("selsync_grads_clip_scaled", "selsync_grads_clip_as_given", rank) == 0.0
+        assert diff("localsgd_clip_scaled", "localsgd_clip_as_given_sqrt2", rank) == 0.0
+        assert diff("bsp_clip_scaled", "bsp_clip_as_given", rank) == 0.0
+    assert all(r["clip_plugin_restored"] for r in results)
 
 
 def test_selsync_refuses_an_outer_optimizer_with_gradient_aggregation():
@@ -350,3 +411,21 @@ def test_yaml_config_and_name():
     assert cli.trainer.strategy.outer_config == OuterSGD(1.0)
     trainer = pl.Trainer(strategy="diloco", accelerator="cpu", devices=2, logger=False)
     assert type(trainer.strategy) is DiLoCoStrategy and trainer.strategy.sync_every == 16
+
+
+def test_the_clip_factor_counts_replicas_not_ranks():
+    """sqrt(N) for N replicas: with replica groups a local gradient is already its replica's mean (4 ranks as 2
+    replicas of 2: sqrt 2); a fault-tolerant run counts every replica group; "as_given": 1."""
+    from lightning_sync.strategies.clipping import LocalClipping
+
+    class Stub(LocalClipping):
+        def __init__(self, replicas, ft=None, mode="scaled"):
+            self.num_replicas, self.fault_tolerance, self.local_clipping = replicas, ft, mode
+
+    class FT:
+        replica_groups = 3
+
+    assert Stub(2).local_clip_factor == pytest.approx(2**0.5)
+    assert Stub(1).local_clip_factor == 1.0
+    assert Stub(1, FT()).local_clip_factor == pytest.approx(3**0.5)
+    assert Stub(4, mode="as_given").local_clip_factor == 1.0

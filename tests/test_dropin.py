@@ -15,6 +15,9 @@ accuracy, SGD with Nesterov momentum and a per-step OneCycleLR, gradient clippin
   a per-step ``sync_dist`` log under the asynchronous strategies warns once and does not stop the run.
   SelSync(``delta="auto"``) resumed from a checkpoint taken with the global model swapped in ends bit-identical to the
   uninterrupted run.
+* **An ordinary model, over seeds** (issue 51): the same script for 3 epochs, every strategy at its defaults over 5
+  seeds, without clipping in fp32 and with ``gradient_clip_val=1.0`` + bf16-mixed: the mean validation accuracy
+  within 3 points of ``ddp``'s over the same seeds, and no run below ``ddp``'s worst seed by more than 10 points.
 * **Launched by Lightning**, once each: ``"selsync"`` re-runs the script (popen, a subprocess here: a popen launch
   from pytest would run pytest again), and the launching process is rank 0; ``"aladdin_spawn"`` from pytest, and the
   launching process reads what rank 0 had after fit (steps, epochs, callback state, the strategy's metrics).
@@ -275,6 +278,76 @@ def test_selsync_auto_resume_with_the_global_model_swapped_in_is_bit_identical(s
         trajectory = {k: v for k, v in straight["metrics"].items() if k not in NOT_TRAJECTORY}
         assert {k: resumed["metrics"][k] for k in trajectory} == trajectory
         assert straight["metrics"]["bytes_eval"] > 0 and 0 < straight["metrics"]["lssr"] < 1
+
+
+# ----------------------------------------------------------------------------------------------- tests: part 3
+#: the ordinary-model check (issue 51): the user script's length where DiLoCo's and SelSync's defaults fell behind
+ORDINARY_EPOCHS = 3
+ORDINARY_SEEDS = (0, 1, 2, 3, 4)
+#: no clipping in fp32, and the script's own gradient_clip_val=1.0 + bf16-mixed (benchmarks/dropin.py CONFIGS)
+ORDINARY_CONFIGS = ("fp32", "clip+bf16")
+#: the mean over the seeds within this of ddp's mean (the issue's goal). The seeds are fixed, so on one machine the
+#: outcome is too; another machine's arithmetic amounts to new seeds. Measured over seeds 0-9 (benchmarks/dropin.py
+#: --world 2 --seeds 0 ... 9 --epochs 3 --config fp32 clip+bf16 --fit-only, then --analyse, 2026-11-28): none of the
+#: 252 five-seed subsets fails any of the 22 checks, the worst is 2.73 points below (ALADDIN, clip+bf16), and a normal
+#: estimate from the per-seed spread gives 3.8% for any check failing on a new draw of seeds; see
+#: docs/results/other.md, "Defaults on an ordinary model"
+ORDINARY_MARGIN = 0.03
+#: no run below ddp's worst seed by more than this (a collapse: SelSync ended at 0.28-0.37 in the issue; measured:
+#: every strategy's lowest of 10 runs within 1.7 points of ddp's lowest)
+COLLAPSE_MARGIN = 0.10
+#: the changes REFUSED's refusals name (benchmarks/dropin.py ADAPTATIONS), made up front: no refused setup to pay
+UP_FRONT = {"osp": {"gradient_clip_val": None}, **{n: {"val_check_interval": 1.0} for n in PARAMETER_SERVER}}
+
+
+def _ordinary(rank: int, out_dir: str) -> None:
+    """Every strategy on the ordinary model, seeds x configurations, fit only (val_acc of the last validation)."""
+    import lightning_sync  # noqa: F401  (registers the names)
+
+    warnings.filterwarnings("ignore")
+    out = Path(out_dir)
+    results: dict[str, dict[str, list[float]]] = {}
+    for config in ORDINARY_CONFIGS:
+        results[config] = {}
+        for seed in ORDINARY_SEEDS:
+            for name in ("ddp", *dropin.STRATEGIES):
+                # what the strategy's refusal at setup asks for (tested in part 1), applied up front
+                overrides = {**dropin.CONFIGS[config], **UP_FRONT.get(name, {})}
+                res = dropin.run_user_script(
+                    name,
+                    out / config / f"{name}_s{seed}",
+                    WORLD,
+                    epochs=ORDINARY_EPOCHS,
+                    seed=seed,
+                    trainer_overrides=overrides,
+                    evaluate=False,
+                )
+                results[config].setdefault(name, []).append(res["val_acc"])
+    (out / f"res_rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def ordinary(tmp_path_factory):
+    return run_suite(_ordinary, WORLD, tmp_path_factory.mktemp("ordinary"))
+
+
+@pytest.mark.parametrize("config", ORDINARY_CONFIGS)
+@pytest.mark.parametrize("name", dropin.STRATEGIES)
+def test_on_an_ordinary_model_the_mean_over_seeds_is_within_three_points_of_ddp(ordinary, name, config):
+    results = ordinary[0][config]
+    ddp, mine = results["ddp"], results[name]
+    assert len(mine) == len(ddp) == len(ORDINARY_SEEDS)
+    gap = sum(mine) / len(mine) - sum(ddp) / len(ddp)
+    assert gap >= -ORDINARY_MARGIN, (name, config, [round(v, 4) for v in mine], [round(v, 4) for v in ddp])
+    assert ordinary[1][config][name] == mine  # one value on every rank
+
+
+@pytest.mark.parametrize("config", ORDINARY_CONFIGS)
+@pytest.mark.parametrize("name", dropin.STRATEGIES)
+def test_on_an_ordinary_model_no_seed_collapses(ordinary, name, config):
+    results = ordinary[0][config]
+    floor = min(results["ddp"]) - COLLAPSE_MARGIN
+    assert min(results[name]) >= floor, (name, config, [round(v, 4) for v in results[name]], min(results["ddp"]))
 
 
 # ----------------------------------------------------------------------------------------------- tests: part 2

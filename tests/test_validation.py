@@ -436,6 +436,11 @@ def base_specs(parameter_server: bool = False, replica_groups: bool = True) -> d
         ),
         "sync_stats": bool_arg("sync_stats"),
         "fault_tolerance": _fault_tolerance_arg(supported=False),
+        "local_clipping": choice_arg(
+            "local_clipping",
+            ("scaled", "as_given"),
+            r"local_clipping must be 'scaled' \(.*\) or 'as_given' \(.*\), got",
+        ),
         "injection": injection,
         "injection_seed": int_arg("injection_seed", 0, note="any size: mixed into 64 bits by SplitMix64"),
         "accelerator": Arg(
@@ -934,6 +939,7 @@ def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_t
         "replica_size",
         "intra_link",
         "fault_tolerance",
+        "local_clipping",
         *PASS_THROUGH,
     }
     for cls in STRATEGIES:

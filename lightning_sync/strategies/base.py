@@ -58,6 +58,7 @@ from lightning_sync.core.outer import OuterOptimizer
 from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
 from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
+from lightning_sync.strategies.clipping import LocalClipping, LocalClippingMode, check_local_clipping
 from lightning_sync.strategies.collectives import CountedCollectives
 from lightning_sync.strategies.compressed import CompressedAveraging
 from lightning_sync.strategies.defaults import add_default_callback
@@ -79,6 +80,7 @@ VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 
 class SyncStrategy(
     SyncLaunching,
+    LocalClipping,
     GlobalModelEvaluation,
     CompressedAveraging,
     OuterAveraging,
@@ -91,7 +93,7 @@ class SyncStrategy(
     FaultTolerantSync,
     DDPStrategy,
 ):
-    """Base of every lightning_sync strategy; the guide for method authors follows the arguments.
+    r"""Base of every lightning_sync strategy; the guide for method authors follows the arguments.
 
     Args:
         link: emulate a slower network: a :class:`~lightning_sync.comm.LinkModel` or ``"1gbit,1ms"``. Off by
@@ -128,6 +130,12 @@ class SyncStrategy(
             :class:`~lightning_sync.strategies.fault_tolerance.FaultTolerance`: this process is one replica group of a
             run on torchft that survives losing groups (:mod:`~lightning_sync.strategies.fault_tolerance`). Methods
             that cannot (:attr:`fault_tolerance_refusal`) raise at construction, saying why.
+        local_clipping: what ``Trainer(gradient_clip_val=c)`` clips a *local* gradient (one replica's own, not
+            every rank's mean, which is what DDP clips) at: ``"scaled"`` (default) :math:`c\sqrt N` for :math:`N`
+            replicas, the bound of a replica gradient's norm over the mean's, so a local step is clipped about as
+            often as DDP's; ``"as_given"`` at :math:`c`. A gradient that is every rank's mean (BSP, Sync-Switch's
+            BSP phase, a SelSync gradient sync) is clipped at :math:`c` either way
+            (:mod:`~lightning_sync.strategies.clipping`).
         start_method: how Lightning launches processes when it launches them, as for its ``ddp``: ``"popen"``
             (default: the script is run again for every other rank, the launching process is rank 0), ``"spawn"``
             (registered as ``"<name>_spawn"``: for notebooks and pytest; rank 0's results are shipped back, see
@@ -213,6 +221,7 @@ class SyncStrategy(
         replica_size: ReplicaSize = None,
         intra_link: LinkModel | str | None = None,
         fault_tolerance: FaultTolerance | None = None,
+        local_clipping: LocalClippingMode = "scaled",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -235,6 +244,7 @@ class SyncStrategy(
                     )
         check_bool("verify_sync", verify_sync)
         check_bool("sync_stats", sync_stats)
+        local_clipping = check_local_clipping(local_clipping)
         if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
             raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
         injection_seed = check_int("injection_seed", injection_seed, 0)
@@ -263,6 +273,7 @@ class SyncStrategy(
         self.sync_stats = sync_stats
         #: ``fault_tolerance``: this process is one replica group of a fault-tolerant run (``None``: not)
         self.fault_tolerance: FaultTolerance | None = fault_tolerance
+        self.local_clipping: LocalClippingMode = local_clipping
         self.comm_stats = CommStats()
         self.step_counter = StepCounter()
         self._comm: Communicator | None = None
@@ -329,6 +340,7 @@ class SyncStrategy(
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
         super().setup(trainer)
+        self._install_local_clipping()  # the precision plugin is final now
         if self._ft is not None and self._ft_trainer_fitting(trainer):
             self._ft_start(trainer)  # the first quorum; a restarted replica group takes its peers' state here
 
@@ -651,6 +663,7 @@ class SyncStrategy(
         if self._grad_buckets is not None:
             self._grad_buckets.remove()
             self._grad_buckets = None
+        self._remove_local_clipping()
         self._teardown_replica_groups()
         self._ft_teardown()
         if self._comm is not None:

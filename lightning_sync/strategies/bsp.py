@@ -65,6 +65,10 @@ class BSPStrategy(SyncStrategy):
     def _overlap_grads(self) -> tuple[Communicator, str] | None:
         return self.comm, "grads"
 
+    def _gradient_is_local(self) -> bool:
+        """Every step's gradient is every rank's mean, DDP's: ``gradient_clip_val`` as given (``local_clipping``)."""
+        return False
+
     def _after_backward(self, optimizer: Optimizer) -> None:
         self.average_grads(tag="grads", verify_update=True)
         self.step_counter.record(synced=True)

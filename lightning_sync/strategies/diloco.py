@@ -56,12 +56,19 @@ class DiLoCoStrategy(SyncStrategy):
 
     **Default outer optimizer** (``outer_optimizer="auto"``), chosen at setup from the inner optimizer(s) the
     LightningModule configures (:func:`~lightning_sync.core.outer.auto_outer_optimizer`): over adaptive ones (AdamW,
-    Adam, ...) the paper's SGD with Nesterov momentum 0.9, lr 0.7; over SGD (and anything else) SlowMo's SGD with
-    momentum 0.5, lr 1 — the setting each paper measured over that kind of inner optimizer. Either way the outer
-    momentum follows the inner learning rate (``inner_lr_scaling``). The choice is logged at setup and kept in
-    :attr:`outer_config`; give a spec to fix it. One all-reduce per sync, as local SGD; floating buffers
-    (BatchNorm statistics) are averaged plainly. ``outer_optimizer=None`` is local SGD with this schedule, and
-    ``{"name": "sgd", "lr": 1.0}`` too (lr 1 without momentum is plain averaging, tested).
+    Adam, ...) the paper's SGD with Nesterov momentum 0.9, lr 0.7 (its momentum following the inner learning rate,
+    ``inner_lr_scaling``); over SGD (and anything else) plain averaging — an outer momentum over an inner SGD with
+    momentum cost points on an ordinary model and collapsed it at a constant rate (issue 51, measured there;
+    SlowMo's ``{"name": "sgd", "lr": 1.0, "momentum": 0.5}``, the previous choice, stays a spec away). The choice
+    is logged at setup and kept in :attr:`outer_config` (None: plain averaging) and :attr:`outer_reason`; give a
+    spec or None to fix it. One all-reduce per sync, as local SGD; floating buffers (BatchNorm statistics) are
+    averaged plainly. ``outer_optimizer=None`` is local SGD with this schedule, and ``{"name": "sgd", "lr": 1.0}``
+    too (lr 1 without momentum is plain averaging, tested).
+
+    **Gradient clipping**: every inner step is local, so ``gradient_clip_val`` :math:`c` clips a rank's own
+    gradient, whose norm exceeds the ranks' average's (what DDP clips) by up to :math:`\sqrt N`: with
+    ``local_clipping="scaled"`` (default) it is clipped at :math:`c\sqrt N`
+    (:class:`~lightning_sync.strategies.clipping.LocalClipping`; measured in issue 51), ``"as_given"`` at :math:`c`.
 
     **Schedule.** Syncs happen after :math:`H` inner steps (0-based steps :math:`H-1, 2H-1, \dots`), as in
     Algorithm 1 — unlike :class:`~lightning_sync.strategies.LocalSGDStrategy`, which follows CPSGD and averages after
@@ -162,6 +169,7 @@ class DiLoCoStrategy(SyncStrategy):
                 f"such as {{'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}, got {outer_optimizer!r}"
             )
         self.outer_auto = outer_optimizer == "auto"
+        self._outer_chosen = not self.outer_auto  # "auto": chosen once, at the first setup with optimizers
         #: why the outer optimizer is what it is (``"auto"``: the inner optimizer it was chosen for)
         self.outer_reason = "auto: chosen at setup" if self.outer_auto else "given"
         self.outer_config = None if self.outer_auto else parse_outer_optimizer(outer_optimizer)
@@ -198,17 +206,19 @@ class DiLoCoStrategy(SyncStrategy):
         """After Lightning builds the inner optimizer(s): ``outer_optimizer="auto"`` chooses the outer optimizer for
         them, builds it over the (identical or restored) replicas and loads a checkpoint's outer state."""
         super().setup_optimizers(trainer)
-        if self.outer_auto and self.outer is None:
+        if not self._outer_chosen and self.optimizers:
             self.outer_config, why = auto_outer_optimizer(self.optimizers)
+            self._outer_chosen = True
             self.outer_reason = f"auto: {why}"
-            rank_zero_info(f"DiLoCoStrategy: outer optimizer {self.outer_config.spec()}, {why}")
+            spec = None if self.outer_config is None else self.outer_config.spec()
+            rank_zero_info(f"DiLoCoStrategy: outer optimizer {spec}, {why}")
             self._setup_outer()
             pending, self._saved_outer = self._saved_outer, None
             if pending is not None:
                 super()._load_outer_state(pending[0])
 
     def _load_outer_state(self, saved: dict[str, Any] | None) -> None:
-        if self.outer_auto and self.outer is None:  # "auto" before the optimizers exist: loaded once it is chosen
+        if not self._outer_chosen:  # "auto" before the optimizers exist: loaded once it is chosen
             self._saved_outer = (saved,)
             return
         super()._load_outer_state(saved)

@@ -261,6 +261,11 @@ class SyncSwitchStrategy(ASPStrategy):
         if self.protocol == "bsp" and not self._local_step:
             self.average_grads(comm=self.bsp_comm, verify_update=True)
 
+    def _gradient_is_local(self) -> bool:
+        """The BSP phase's gradient is the participants' mean (clipped as given, as DDP); the ASP phase's, a worker's
+        own (``local_clipping``)."""
+        return not (self.protocol == "bsp" and not self._local_step)
+
     def _after_update(self, optimizer: Optimizer) -> None:
         if self._local_step:  # a parked rank's held batch after the epoch ended without it
             self._local_step = False
