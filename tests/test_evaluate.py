@@ -29,6 +29,8 @@ from launch import run_suite
 WORLD = 2
 EPOCHS = 3
 BATCHES = 6  # steps per epoch
+#: DiLoCo's cases step an outer optimizer with state (SlowMo's: outer_optimizer="auto" over SGD is plain averaging)
+SLOWMO = {"name": "sgd", "lr": 1.0, "momentum": 0.5}
 
 
 def _digest(tensors: Any) -> str:
@@ -182,14 +184,17 @@ def _suite(rank: int, out_dir: str) -> None:
         "localsgd_average": fit("localsgd_average", LocalSGDStrategy(period=4)),
         # evaluate="average" right after a sync of the whole model: the epoch's last step syncs
         "fedavg_in_sync": fit("fedavg_in_sync", FedAvgStrategy(syncs_per_epoch=2, verify_sync=True)),
-        "diloco_in_sync": fit("diloco_in_sync", DiLoCoStrategy(sync_every=3, verify_sync=True)),
+        "diloco_in_sync": fit("diloco_in_sync", DiLoCoStrategy(outer_optimizer=SLOWMO, sync_every=3, verify_sync=True)),
         # offset=period-1: averaging after steps 2, 5, 8, ... — every 6-step epoch ends on one, with no warm-up
         "localsgd_in_sync": fit("localsgd_in_sync", LocalSGDStrategy(period=3, offset=2, verify_sync=True)),
         "fedavg": fit("fedavg", FedAvgStrategy(syncs_per_epoch=2, evaluate="last_sync")),
         "adpsgd": fit("adpsgd", ADPSGDStrategy(warmup_epochs=0, evaluate="last_sync")),
         "selsync": fit("selsync", SelSyncStrategy(evaluate="last_sync")),
-        "diloco": fit("diloco", DiLoCoStrategy(sync_every=4, evaluate="last_sync")),
-        "streaming": fit("streaming", DiLoCoStrategy(sync_every=4, fragments=2, delay=1, evaluate="last_sync")),
+        "diloco": fit("diloco", DiLoCoStrategy(outer_optimizer=SLOWMO, sync_every=4, evaluate="last_sync")),
+        "streaming": fit(
+            "streaming",
+            DiLoCoStrategy(outer_optimizer=SLOWMO, sync_every=4, fragments=2, delay=1, evaluate="last_sync"),
+        ),
     }
     # resume: the same local SGD fit stopped after its first epoch and resumed from last.ckpt
     interrupted = fit("resume", LocalSGDStrategy(period=4, evaluate="last_sync"), StopAfter())

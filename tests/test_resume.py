@@ -43,6 +43,8 @@ WORLD = 2
 EPOCHS = 3
 BATCH = 64
 TIMEOUT = timedelta(seconds=120)
+#: DiLoCo's cases step an outer optimizer with state (SlowMo's: outer_optimizer="auto" over SGD is plain averaging)
+SLOWMO = {"name": "sgd", "lr": 1.0, "momentum": 0.5}
 EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco")
 ASYNC = ("asp", "ssp", "aladdin")
 #: compressed cases (int8: residuals and the averaging reference are per-rank state), run like EXACT and ASYNC
@@ -87,7 +89,9 @@ def _strategy(name: str):
         "adpsgd": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **sync),
         "osp": lambda: S.OSPStrategy(bandwidth="100gbit", **sync),  # U_max at its cap: no measured time in the schedule
         # streaming, with a fragment in flight at the checkpoint (launched after step 14, applied after step 16)
-        "diloco": lambda: S.DiLoCoStrategy(sync_every=6, fragments=2, delay=2, alpha=0.5, **sync),
+        "diloco": lambda: S.DiLoCoStrategy(
+            outer_optimizer=SLOWMO, sync_every=6, fragments=2, delay=2, alpha=0.5, **sync
+        ),
         "asp": lambda: S.ASPStrategy(**common),
         "ssp": lambda: S.SSPStrategy(staleness=2, **common),
         "aladdin": lambda: S.ALADDINStrategy(period=2, **common),
@@ -96,7 +100,7 @@ def _strategy(name: str):
         "localsgd_int8": lambda: S.LocalSGDStrategy(period=3, compression="int8", **sync),
         "asp_int8": lambda: S.ASPStrategy(compression="int8", **common),
         # plain DiLoCo (its default outer optimizer, chosen at setup) with int8: outer state, residuals, reference
-        "diloco_int8": lambda: S.DiLoCoStrategy(sync_every=4, compression="int8", **sync),
+        "diloco_int8": lambda: S.DiLoCoStrategy(outer_optimizer=SLOWMO, sync_every=4, compression="int8", **sync),
         # replica groups: the same settings, 2 ranks per replica; checkpoints after 7 steps (5 per epoch)
         "bsp_grouped": lambda: S.BSPStrategy(**grouped),
         "selsync_grouped": lambda: S.SelSyncStrategy(delta=0.05, **grouped),  # the previous step's vote in flight
@@ -104,7 +108,9 @@ def _strategy(name: str):
         "fedavg_grouped": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **grouped),  # one replica of 2
         "adpsgd_grouped": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **grouped),
         # streaming: fragment 1 launched after step 5, in flight at the checkpoint, applied after step 7
-        "diloco_grouped": lambda: S.DiLoCoStrategy(sync_every=6, fragments=2, delay=2, alpha=0.5, **grouped),
+        "diloco_grouped": lambda: S.DiLoCoStrategy(
+            outer_optimizer=SLOWMO, sync_every=6, fragments=2, delay=2, alpha=0.5, **grouped
+        ),
         "localsgd_int8_grouped": lambda: S.LocalSGDStrategy(period=3, compression="int8", **grouped),
     }[name]()
 
