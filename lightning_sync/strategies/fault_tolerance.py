@@ -207,8 +207,13 @@ class FaultTolerantSync:
 
     # ------------------------------------------------------------------ method hooks
     def _ft_next_step_syncs(self) -> bool:
-        """Whether the next optimizer step ends with a sync (decided from state every group shares: the schedule)."""
-        raise NotImplementedError
+        """Whether the next optimizer step ends with a sync (decided from state every group shares: the schedule).
+        Every method that accepts ``fault_tolerance`` overrides it (local SGD, DiLoCo); the others refuse the argument
+        at construction (:attr:`fault_tolerance_refusal`), so this is never reached for them."""
+        raise NotImplementedError(
+            f"{type(self).__name__} accepts fault_tolerance but does not say which steps sync: override "
+            "_ft_next_step_syncs"
+        )
 
     def _ft_method_config(self) -> dict[str, Any]:
         """What must be equal in every replica group (the method's arguments), checked when the quorum changes."""
