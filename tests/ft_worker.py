@@ -2,11 +2,12 @@
 
 Started as its own process (``python tests/ft_worker.py '<json>'``) with its own ``MASTER_PORT``: a replica group is a
 one-process Lightning job (world size 1) that meets the other groups only through torchft. Trains
-:class:`~lightning_sync.models.DigitsCNN` on :class:`~lightning_sync.data.DigitsDataModule` with local SGD or DiLoCo
-and ``fault_tolerance=FaultTolerance(...)``, and writes, in ``out``:
+:class:`~lightning_sync.models.DigitsCNN` on :class:`~lightning_sync.data.DigitsDataModule` with local SGD, DiLoCo
+(plain or streaming), FedAvg or ADPSGD and ``fault_tolerance=FaultTolerance(...)``, and writes, in ``out``:
 
 * ``progress_g<group>.jsonl``: one line per optimizer step (pid, global step, epoch, batch, torchft step, whether the
-  step synced and, when it did, the checksum of the parameters and buffers and whether the sync committed);
+  step synced and, when it did, the checksum of the parameters and buffers (streaming DiLoCo: of the fragment the
+  step applied) and whether the sync committed);
 * ``result_g<group>_<pid>.json`` when fit returns: the final model's validation accuracy (the whole validation
   split), steps, strategy state, communication totals and fault-tolerance counters;
 * with ``"save"``: a checkpoint of the run's end (``trainer.save_checkpoint`` while the strategy is still set up).
@@ -32,7 +33,7 @@ def main() -> None:
     import lightning.pytorch as pl
     import torch
 
-    from lightning_sync import DiLoCoStrategy, FaultTolerance, LocalSGDStrategy
+    from lightning_sync import ADPSGDStrategy, DiLoCoStrategy, FaultTolerance, FedAvgStrategy, LocalSGDStrategy
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
@@ -52,10 +53,15 @@ def main() -> None:
         join_timeout=timedelta(seconds=cfg.get("join_timeout", 120)),
     )
     kwargs = dict(cfg.get("args", {}))
-    if cfg["strategy"] == "localsgd":
-        strategy = LocalSGDStrategy(fault_tolerance=ft, sync_stats=False, **kwargs)
-    else:
-        strategy = DiLoCoStrategy(fault_tolerance=ft, sync_stats=False, **kwargs)
+    classes = {
+        "localsgd": LocalSGDStrategy,
+        "diloco": DiLoCoStrategy,
+        "diloco_streaming": DiLoCoStrategy,
+        "fedavg": FedAvgStrategy,
+        "adpsgd": ADPSGDStrategy,
+    }
+    strategy = classes[cfg["strategy"]](fault_tolerance=ft, sync_stats=False, **kwargs)
+    streaming = isinstance(strategy, DiLoCoStrategy) and strategy.delay > 0
 
     class Progress(pl.Callback):
         def __init__(self) -> None:
@@ -64,7 +70,8 @@ def main() -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             s = trainer.strategy
-            synced = s.step_counter.sync_steps > self.synced
+            # a sync ends where its average is taken: at the launch, or (streaming DiLoCo) `delay` steps later
+            synced = s.last_applied is not None if streaming else s.step_counter.sync_steps > self.synced
             record = {
                 "pid": os.getpid(),
                 "step": trainer.global_step,
@@ -76,7 +83,9 @@ def main() -> None:
             }
             if synced:
                 record["committed"] = s.ft_failed_syncs == self.failed
-                record["checksum"] = s.flat.checksum(s.flat.state_tensors()).tolist()
+                # streaming: the fragment just applied (the others are local until their own syncs)
+                tensors = [s._region(p) for p in s._parts[s.last_applied]] if streaming else s.flat.state_tensors()
+                record["checksum"] = s.flat.checksum(tensors).tolist()
                 record["replicas"] = s.ft_replicas
             self.synced, self.failed = s.step_counter.sync_steps, s.ft_failed_syncs
             with progress.open("a") as f:
@@ -117,7 +126,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "fit_s": time.time() - start,
-        "strategy_step": strategy._step,
+        "strategy_step": strategy.step_counter.steps,
         "sync_steps": strategy.step_counter.sync_steps,
         "metrics": strategy.sync_metrics(),
         "bytes": dict(strategy.comm_stats.bytes_sent),

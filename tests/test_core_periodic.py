@@ -282,7 +282,9 @@ def test_adpsgd_period_stays_in_range_and_gaps_match_period(p_init, extra, warmu
     gap = 0
     expected_period = p_init
     while True:
+        predicted = c.averages_next()  # what a fault-tolerant run asks the quorum for, a step ahead
         averaged = c.step()
+        assert predicted == averaged
         gap += 1
         k = c.steps - 1
         assert 1 <= c.period <= max_period
@@ -315,7 +317,9 @@ def test_adpsgd_period_stays_in_range_and_gaps_match_period(p_init, extra, warmu
 def drive(c: ADPSGDController, rng: random.Random, num_steps: int) -> list:
     trace = []
     for _ in range(num_steps):
+        predicted = c.averages_next()
         averaged = c.step()
+        assert predicted == averaged
         if averaged and c.needs_statistic():
             lr = rng.choice([0.1, 0.05, 0.01])
             c.observe(rng.uniform(0.0, 2.0) * lr * (c.c2 or 1.0), lr)

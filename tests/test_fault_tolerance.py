@@ -53,6 +53,21 @@ RUNS = {
         args={"sync_every": 4, "outer_optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.5, "nesterov": True}},
         max_steps=126,
     ),
+    # streaming: 2 fragments, each all-reduce in flight for one step over the quorum, committed when applied
+    "diloco_streaming": dict(
+        args={
+            "sync_every": 4,
+            "fragments": 2,
+            "delay": 1,
+            "outer_optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.5, "nesterov": True},
+            "verify_sync": True,
+        },
+        max_steps=126,
+    ),
+    # 2 of the 3 groups (2 of 2 while one is gone) drawn per round among the quorum's members, 4 rounds per epoch
+    "fedavg": dict(args={"fraction": 0.6, "syncs_per_epoch": 4}, max_steps=90),
+    # period 1 for the first epoch, then adapting from S_k, all-reduced over the quorum inside each sync's commit
+    "adpsgd": dict(args={"p_init": 2, "warmup_epochs": 1, "max_period": 6, "verify_sync": True}, max_steps=90),
 }
 
 
@@ -213,7 +228,13 @@ def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps
 @pytest.mark.timeout(3 * LIMIT_S)
 @pytest.mark.parametrize(
     "strategy",
-    ["localsgd", pytest.param("diloco", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))],
+    [
+        "localsgd",
+        "diloco_streaming",
+        "fedavg",
+        "adpsgd",
+        pytest.param("diloco", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1")),
+    ],
 )
 def test_a_killed_replica_group_restarts_and_rejoins_while_the_others_keep_training(strategy, run_dir):
     run = run_dir(strategy)
@@ -330,6 +351,9 @@ def test_replica_groups_configured_differently_stop_with_an_error_naming_the_dif
 
 def test_fault_tolerance_is_refused_where_it_cannot_work_and_validated(monkeypatch):
     from lightning_sync import (
+        ADPSGDStrategy,
+        ALADDINStrategy,
+        ASPStrategy,
         BSPStrategy,
         DiLoCoStrategy,
         FaultTolerance,
@@ -337,21 +361,24 @@ def test_fault_tolerance_is_refused_where_it_cannot_work_and_validated(monkeypat
         LocalSGDStrategy,
         OSPStrategy,
         SelSyncStrategy,
+        SSPStrategy,
+        SyncSwitchStrategy,
     )
 
     ft = FaultTolerance(lighthouse="http://127.0.0.1:29510", replica_group=1, replica_groups=3)
     assert ft.replica_id == "replica_1" and ft.min_replicas == 1
     LocalSGDStrategy(period=4, fault_tolerance=ft)
     DiLoCoStrategy(sync_every=4, fragments=2, fault_tolerance=ft)
+    DiLoCoStrategy(sync_every=4, fragments=2, delay=1, fault_tolerance=ft)
+    FedAvgStrategy(fraction=0.5, fault_tolerance=ft)
+    ADPSGDStrategy(fault_tolerance=ft)
     with pytest.raises(ValueError, match="must be None for SelSyncStrategy, which cannot run fault-tolerant: .*vote"):
         SelSyncStrategy(fault_tolerance=ft)
-    for cls in (BSPStrategy, OSPStrategy, FedAvgStrategy):
+    for cls in (BSPStrategy, OSPStrategy, ASPStrategy, SSPStrategy, ALADDINStrategy, SyncSwitchStrategy):
         with pytest.raises(ValueError, match=f"{cls.__name__}, which cannot run fault-tolerant"):
             cls(fault_tolerance=ft)
     with pytest.raises(ValueError, match="does not support compression='int8'"):
         LocalSGDStrategy(fault_tolerance=ft, compression="int8")
-    with pytest.raises(ValueError, match="needs delay=0"):
-        DiLoCoStrategy(sync_every=4, delay=1, fault_tolerance=ft)
     with pytest.raises(ValueError, match="fault_tolerance must be a lightning_sync.FaultTolerance"):
         LocalSGDStrategy(fault_tolerance={"lighthouse": "http://x:1"})
 

@@ -63,6 +63,7 @@ except ImportError as _err:  # pragma: no cover - exercised where torchft is not
 __all__ = [
     "CountedProcessGroupGloo",
     "FaultToleranceError",
+    "PendingAllReduce",
     "QuorumInfo",
     "ReplicaGroupComm",
     "check_lighthouse",
@@ -215,8 +216,8 @@ class CountedProcessGroupGloo(ProcessGroupGloo):
     in ``stats`` under :attr:`tag` (gloo's algorithms over the current quorum's members,
     :mod:`~lightning_sync.comm.cost`) and, with a ``clock``, is not complete before its emulated transfer on the
     replica's link (a receive is delayed by the bytes it receives: the transfer costs both ends their link time).
-    Operations are counted as blocking: every caller (:class:`ReplicaGroupComm`, torchft's ``PGTransport``) waits on
-    them at once."""
+    Operations are counted as blocking (every caller, :class:`ReplicaGroupComm` and torchft's ``PGTransport``, waits on
+    them at once) except those :meth:`ReplicaGroupComm.all_reduce_async` launches to overlap with compute."""
 
     def __init__(self, stats: CommStats, clock: LinkClock | None, timeout: timedelta) -> None:
         super().__init__(timeout=timeout)
@@ -224,12 +225,14 @@ class CountedProcessGroupGloo(ProcessGroupGloo):
         self.clock = clock
         #: the tag the next operations are recorded under (set by :class:`ReplicaGroupComm` around each use)
         self.tag = "ft"
+        #: whether the next operations are waited on at once (``False``: launched to overlap with compute)
+        self.blocking = True
 
     def _me(self) -> tuple[int, int]:
         return int(self._rank or 0), int(self.size())
 
     def _counted(self, work: Any, sent: int, delayed: int | None = None) -> Any:
-        self.stats.record_launch(self.tag, sent, blocking=True)
+        self.stats.record_launch(self.tag, sent, blocking=self.blocking)
         if self.clock is None:
             return work
         return _LinkWork(work, self.clock, self.clock.start(sent if delayed is None else delayed, time.perf_counter()))
@@ -468,6 +471,31 @@ class ReplicaGroupComm:
                 t.div_(n)
         return ok
 
+    def all_reduce_async(self, tensors: Sequence[Tensor], op: str = "avg", tag: str = "params") -> PendingAllReduce:
+        """Launch an all-reduce of ``tensors`` over the quorum's members and return at once: the operations are in
+        flight while this replica group computes (counted as overlapped, not blocking), until
+        :meth:`PendingAllReduce.wait`. No quorum may be held before that wait (the process group would be rebuilt
+        under it); the caller commits after it. A launch that fails returns a handle that has failed already."""
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        pending = PendingAllReduce(self, list(tensors), self.manager.num_participants() if op == "avg" else 1, tag)
+        if self.manager.errored() is not None:
+            pending.ok = False
+            return pending
+        self.pg.tag, self.pg.blocking = tag, False
+        try:
+            for t in pending.tensors:
+                opts = AllreduceOptions()
+                opts.reduceOp = ReduceOp.SUM
+                pending.works.append(self.pg.allreduce([t], opts))
+        except Exception as err:  # noqa: BLE001 - gloo's error when the group cannot be used
+            log.warning("replica group %s: all_reduce (%s) failed at launch: %s", self.replica_id, tag, _short(err))
+            self.manager.report_error(err)
+            pending.ok = False
+        finally:
+            self.pg.tag, self.pg.blocking = "ft", True
+        return pending
+
     def all_gather_object(self, obj: Any, tag: str = "setup") -> list[Any] | None:
         """Every quorum member's ``obj`` (pickled), in replica-rank order; ``None`` when the gather failed."""
         payload = pickle.dumps(obj)
@@ -498,6 +526,45 @@ class ReplicaGroupComm:
             self.manager.shutdown(wait=True)
         finally:
             self.pg.shutdown()
+
+
+class PendingAllReduce:
+    """An all-reduce :meth:`ReplicaGroupComm.all_reduce_async` launched: :meth:`wait` once (again: the same answer)."""
+
+    def __init__(self, comm: ReplicaGroupComm, tensors: list[Tensor], divisor: int, tag: str) -> None:
+        self.comm = comm
+        self.tensors = tensors
+        self.divisor = divisor
+        self.tag = tag
+        self.works: list[Any] = []
+        #: ``None`` until waited on; then whether it succeeded (the tensors hold the result) or failed (garbage, and
+        #: this quorum's commit fails)
+        self.ok: bool | None = None
+
+    def is_completed(self) -> bool:
+        return self.ok is not None or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        """Wait for the all-reduce (the wait is charged to its tag); a failure (a peer gone, the timeout) is recorded
+        with torchft and returns ``False``, never raises. On success an ``"avg"`` is divided by the members' number."""
+        if self.ok is not None:
+            return self.ok
+        start = time.perf_counter()
+        try:
+            for work in self.works:
+                work.wait()
+            self.ok = True
+        except Exception as err:  # noqa: BLE001 - gloo's error when a peer is gone or times out
+            log.warning("replica group %s: all_reduce (%s) failed: %s", self.comm.replica_id, self.tag, _short(err))
+            self.comm.manager.report_error(err)
+            self.ok = False
+        finally:
+            self.comm.stats.record_blocked(self.tag, time.perf_counter() - start)
+        if self.ok and self.divisor != 1:
+            with torch.no_grad():
+                for t in self.tensors:
+                    t.div_(self.divisor)
+        return self.ok
 
 
 def _short(err: BaseException, limit: int = 300) -> str:

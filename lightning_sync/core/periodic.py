@@ -161,6 +161,11 @@ class ADPSGDController:
             return True
         return False
 
+    def averages_next(self) -> bool:
+        """Whether the next :meth:`step` will return True (without counting it): a fault-tolerant run asks for the
+        quorum of that averaging a step ahead."""
+        return self.steps < self.warmup_steps or self.since_sync + 1 >= self._p
+
     def needs_statistic(self) -> bool:
         """Whether the averaging just decided needs :math:`S_k` (False during warm-up)."""
         return self.phase != "warmup"

@@ -65,10 +65,7 @@ class ADPSGDStrategy(SyncStrategy):
     supports_accumulation = False
     strategy_description = "ADPSGD: periodic averaging with an adaptive period (Alg. 2)"
     carries_sigterm = True
-    fault_tolerance_refusal = (
-        "not yet supported: its period adapts from a statistic all-reduced at every sync, which a replica group that "
-        "missed a commit would not share until it heals; use local SGD or DiLoCo"
-    )
+    fault_tolerance_refusal = None
 
     def __init__(
         self,
@@ -128,15 +125,21 @@ class ADPSGDStrategy(SyncStrategy):
         if synced:
             if self.controller.needs_statistic():
                 s_k = self._average_and_measure()
-                self.controller.observe(s_k, float(optimizer.param_groups[0]["lr"]))
+                if s_k is not None:  # None: a fault-tolerant sync that did not commit (no statistic either)
+                    self.controller.observe(s_k, float(optimizer.param_groups[0]["lr"]))
             else:
                 self.average_state(tag="params")
             self._check_sigterm()
         self.step_counter.record(synced)
 
-    def _average_and_measure(self) -> float:
+    def _average_and_measure(self) -> float | None:
         """Average, then :math:`S_k` (Alg. 2 lines 10-11) from one scalar all-reduce of squared deviations from the
-        mean (measured before an outer optimizer's step, if any)."""
+        mean (measured before an outer optimizer's step, if any).
+
+        Fault-tolerant: :math:`n` is the quorum's replica groups, and the scalar all-reduce runs inside the sync's
+        commit, so every group that commits observes the same :math:`S_k` and keeps the same period; a sync that does
+        not commit observes nothing (``None``). A group that missed a commit its peers made is behind in torchft's
+        step and takes their state, the controller's included, at the next quorum."""
         groups = [g for g in self.flat.groups if g.param_numel]
         if self._scratch is None:
             self._scratch = [torch.empty_like(g.state[: g.param_numel]) for g in groups]
@@ -148,11 +151,33 @@ class ADPSGDStrategy(SyncStrategy):
             for buf, g in zip(self._scratch, groups):
                 buf.sub_(g.state[: g.param_numel])
                 local.add_(torch.dot(buf, buf).double().to(local.device))
+            if self._ft is not None:  # over the quorum, committed with the average or not at all
+                self._ft.all_reduce([local], op="sum", tag="stat")
 
+        if self._ft is not None:
+            if not self.average_state(tag="params", on_mean=deviation_from_the_mean):
+                return None
+            return mean_squared_deviation(float(local.item()), self.ft_replicas)
         self.average_state(tag="params", on_mean=deviation_from_the_mean)
         # one value per replica (with replica groups, over the leaders and broadcast in the replica)
         self._all_reduce_over_replicas(local, op="sum", tag="stat")
         return mean_squared_deviation(float(local.item()), self.num_replicas)
+
+    def _ft_next_step_syncs(self) -> bool:
+        return self.controller is not None and self.controller.averages_next()
+
+    def _ft_method_config(self) -> dict[str, Any]:
+        outer = None if self.outer_config is None else self.outer_config.spec()
+        return {
+            "p_init": self.p_init,
+            "warmup_epochs": self.warmup_epochs,
+            "sample_fraction": self.sample_fraction,
+            "low": self.low,
+            "high": self.high,
+            "max_period": self.max_period,
+            "outer_optimizer": outer,
+            "average_at_end": self.average_at_end,
+        }
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()

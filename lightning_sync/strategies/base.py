@@ -446,7 +446,7 @@ class SyncStrategy(
     # ------------------------------------------------------------------ sync helpers
     def average_state(
         self, tag: str = "params", participants: list[int] | None = None, on_mean: Callable[[], None] | None = None
-    ) -> None:
+    ) -> bool:
         r"""Average parameters and floating buffers over all ranks: one all-reduce per flat buffer.
 
         With ``participants`` (a rank list, identical on every rank), only those ranks' values are averaged and
@@ -461,22 +461,23 @@ class SyncStrategy(
 
         With replica groups the replicas are averaged, not the ranks: ``participants`` are replica indices, the
         all-reduce runs over the replicas' first ranks and its result is broadcast inside each replica.
+
+        Fault-tolerant (:attr:`fault_tolerance`): over the replica groups of the current quorum (``participants``:
+        ranks in the quorum), ``on_mean`` before the commit (its collectives commit with the average); returns whether
+        the sync committed (otherwise this replica keeps its own values and the next sync tries again). Always
+        ``True`` otherwise.
         """
         tensors = self.flat.state_tensors()
         if self._ft is not None:  # fault-tolerant: over the replica groups of the current quorum, committed or not
-            if participants is not None:
-                raise ValueError("fault-tolerant averaging is over the current quorum: participants is not supported")
-            committed = self._ft_all_reduce(tensors, tag)
+            committed = self._ft_all_reduce(tensors, tag, participants, before_commit=on_mean)
             if self.verify_sync:
                 self._ft_verify(tensors, "parameters and buffers", committed)
             if not committed:
-                return  # this replica keeps its own parameters; the next sync tries again
-            if on_mean is not None:
-                on_mean()
+                return False
             self._outer_step(tensors)
             self._record_synced()
             self._mark_in_sync()
-            return
+            return True
         self._average_tensors(tensors, tag, participants)
         if on_mean is not None:
             on_mean()
@@ -485,6 +486,7 @@ class SyncStrategy(
             self._verify(tensors, "parameters and buffers")
         self._record_synced()  # evaluate="last_sync": every rank holds the global model now
         self._mark_in_sync()  # and validation before the next step needs no average
+        return True
 
     def _average_tensors(self, tensors: list[Tensor], tag: str, participants: list[int] | None = None) -> None:
         """The communication of :meth:`average_state` on ``tensors`` (the flat state, or DiLoCo's fragment): every

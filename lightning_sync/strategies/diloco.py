@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +19,9 @@ from lightning_sync.core.streaming import FragmentSchedule, fragment_ranges
 from lightning_sync.core.validation import check_bool, check_real
 from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.evaluation import check_evaluate
+
+if TYPE_CHECKING:
+    from lightning_sync.comm.ft import PendingAllReduce
 
 #: default H (inner steps per outer step): see DiLoCoStrategy's docstring for why not the paper's 500
 DEFAULT_SYNC_EVERY = 16
@@ -45,6 +48,8 @@ class _Pending:
     buffers: list[Tensor]
     #: fault-tolerant: whether the sync committed (otherwise the buffers hold this replica's own values, not applied)
     committed: bool = True
+    #: fault-tolerant with ``delay > 0``: the all-reduce in flight over the quorum, committed when it is applied
+    ft: PendingAllReduce | None = None
 
 
 class DiLoCoStrategy(SyncStrategy):
@@ -182,11 +187,6 @@ class DiLoCoStrategy(SyncStrategy):
                 f"fragments={self.fragments}, delay={self.delay}, alpha={self.alpha}: the streaming fragments' "
                 "overlapped all-reduces are not compressed. Use plain DiLoCo with compression, or streaming without it."
             )
-        if kwargs.get("fault_tolerance") is not None and self.delay > 0:
-            raise ValueError(
-                f"DiLoCoStrategy(fault_tolerance=...) needs delay=0, got delay={self.delay}: a fragment's all-reduce "
-                "in flight across steps would span a step boundary where a replica group may join or leave"
-            )
         super().__init__(**kwargs)
         #: plain DiLoCo: all-reduce each fragment in place and apply it at once (no send buffer)
         self._in_place = delay == 0 and self.alpha == 0.0
@@ -225,7 +225,7 @@ class DiLoCoStrategy(SyncStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.delay > 0:  # the overlapped all-reduces get their own group (collective: every rank, same order)
+        if self.delay > 0 and self.fault_tolerance is None:  # the overlapped all-reduces get their own group
             # with replica groups a second group of the leaders (None on the other ranks: they take the result
             # from their leader when the fragment is applied)
             self._stream_comm = self._new_inter_comm() if self.grouped else self.comm.split()
@@ -295,7 +295,11 @@ class DiLoCoStrategy(SyncStrategy):
                 buffers.append(self._send[part.group][: region.numel()].copy_(region))
         handles: list[CommHandle] = []
         committed = True
-        if self._ft is not None:  # fault-tolerant: over the current quorum; not committed: keep this replica's own
+        ft_pending = None
+        if self._ft is not None and self.delay > 0:  # over the current quorum, in flight; committed when applied
+            ft_pending = self._ft_launch(buffers, "params")
+            handles = [ft_pending]
+        elif self._ft is not None:  # fault-tolerant: over the current quorum; not committed: keep this replica's own
             committed = self._ft_all_reduce(buffers, "params")
             if self.verify_sync:
                 self._ft_verify(buffers, f"the mean of fragment {fragment}", committed)
@@ -303,7 +307,7 @@ class DiLoCoStrategy(SyncStrategy):
             self._average_tensors([b for b in buffers if b.numel()] if self.compressor else buffers, "params")
         elif self._stream_comm is not None:  # (with replica groups: on the leaders)
             handles = [self._stream_comm.all_reduce(b, op="avg", tag="params", async_op=True) for b in buffers]
-        self._pending = _Pending(fragment, step, handles, buffers, committed)
+        self._pending = _Pending(fragment, step, handles, buffers, committed, ft_pending)
         self.fragment_syncs[fragment] += 1
 
     def _apply(self) -> None:
@@ -316,6 +320,10 @@ class DiLoCoStrategy(SyncStrategy):
             handle.wait()
         if self.delay > 0:  # replica groups: the leader's mean to its replica (done in _launch when blocking)
             self._share_in_replica(pending.buffers, "params")
+        if pending.ft is not None:  # fault-tolerant, in flight since the launch: commit it now (or keep our own)
+            pending.committed = self._ft_finish(pending.ft)
+            if self.verify_sync:
+                self._ft_verify(pending.buffers, f"the mean of fragment {pending.fragment}", pending.committed)
         if not pending.committed:
             return  # fault-tolerant sync that failed: the local fragment stays as it is, the next sync tries again
         parts = self._parts[pending.fragment]

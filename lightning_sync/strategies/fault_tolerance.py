@@ -29,7 +29,10 @@ through torchft (:mod:`lightning_sync.comm.ft`):
   index is already taken (checked over the quorum whenever its members change), a strategy or argument that cannot
   run fault-tolerant (at construction).
 
-Supported: local SGD and DiLoCo (plain and with fragments, ``delay=0``). Refused, with the reason, at construction:
+Supported: local SGD, DiLoCo (plain and streaming: a fragment's all-reduce launched over the quorum with
+:meth:`FaultTolerantSync._ft_launch` stays in flight for ``delay`` steps and commits when applied), FedAvg (the round's
+fraction drawn among the quorum's members) and ADPSGD (its statistic all-reduced inside the sync's commit). Refused,
+with the reason, at construction:
 every other strategy (:attr:`~lightning_sync.strategies.SyncStrategy.fault_tolerance_refusal`), compression, data
 injection, and (at setup) ``accumulate_grad_batches > 1`` and replica groups of more than one process.
 """
@@ -40,6 +43,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -54,7 +58,7 @@ from torch.utils._pytree import tree_map
 from lightning_sync.core.validation import check_int
 
 if TYPE_CHECKING:
-    from lightning_sync.comm.ft import QuorumInfo, ReplicaGroupComm
+    from lightning_sync.comm.ft import PendingAllReduce, QuorumInfo, ReplicaGroupComm
 
 __all__ = ["FaultTolerance", "FaultTolerantSync"]
 
@@ -204,12 +208,13 @@ class FaultTolerantSync:
     _ft_received: Any = None  # a peer's state, received during the quorum, applied after the members' check
     _ft_scratch: dict[tuple[int, int, torch.dtype, torch.device], Tensor] | None = None
     _ft_last_step = 0  # torchft's step when the group left the run (for the metrics after fit)
+    _ft_info: QuorumInfo | None = None  # the last quorum
 
     # ------------------------------------------------------------------ method hooks
     def _ft_next_step_syncs(self) -> bool:
         """Whether the next optimizer step ends with a sync (decided from state every group shares: the schedule).
-        Every method that accepts ``fault_tolerance`` overrides it (local SGD, DiLoCo); the others refuse the argument
-        at construction (:attr:`fault_tolerance_refusal`), so this is never reached for them."""
+        Every method that accepts ``fault_tolerance`` overrides it (local SGD, DiLoCo, FedAvg, ADPSGD); the others
+        refuse the argument at construction (:attr:`fault_tolerance_refusal`), so this is never reached for them."""
         raise NotImplementedError(
             f"{type(self).__name__} accepts fault_tolerance but does not say which steps sync: override "
             "_ft_next_step_syncs"
@@ -337,6 +342,7 @@ class FaultTolerantSync:
         assert self._ft is not None
         self._ft_received = None
         info = self._ft.quorum(timeout=None if startup else self.fault_tolerance.timeout)
+        self._ft_info = info
         self.ft_quorums += 1
         self.ft_replicas = info.replica_world_size
         if info.changed:
@@ -461,21 +467,59 @@ class FaultTolerantSync:
         if self._ft is not None and self._ft_next_step_syncs():
             self._ft_quorum()
 
-    def _ft_all_reduce(self: Any, tensors: list[Tensor], tag: str) -> bool:
+    def _ft_current_quorum(self: Any) -> QuorumInfo:
+        """The quorum this step's sync runs over: the one held at the step boundary before it, or one held now (e.g.
+        the final average)."""
+        if not self._ft_open:
+            self._ft_quorum()
+        return self._ft_info
+
+    def _ft_all_reduce(
+        self: Any,
+        tensors: list[Tensor],
+        tag: str,
+        participants: list[int] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> bool:
         """Average ``tensors`` over the current quorum (a quorum first if none was held for this step, e.g. the final
         average), then commit: on success the tensors hold the mean; otherwise (a peer failed mid-sync, fewer than
         ``min_replicas``) they keep this group's values: the all-reduce runs in place over a backup copy, put back when
-        it did not commit, so a failure halfway leaves nothing half-averaged. Returns whether it committed."""
-        if not self._ft_open:
-            self._ft_quorum()
+        it did not commit, so a failure halfway leaves nothing half-averaged. Returns whether it committed.
+
+        ``participants``: the quorum's replica ranks whose values are averaged (FedAvg's draw): the others contribute
+        zeros to the same all-reduce and every group takes the participants' mean. ``before_commit`` runs while the
+        tensors hold the mean, before the commit, when the all-reduce succeeded: collectives it issues through
+        :attr:`_ft` are committed with the average or not at all (ADPSGD's statistic)."""
+        info = self._ft_current_quorum()
         self._ft_open = False
         backups = [self._ft_copy(i, t) for i, t in enumerate(tensors)]
-        self._ft.all_reduce(tensors, op="avg", tag=tag)
+        if participants is None:
+            ok = self._ft.all_reduce(tensors, op="avg", tag=tag)
+        else:
+            if not participants:
+                raise ValueError("participants must name at least one replica group of the quorum")
+            if info.replica_rank not in participants:
+                with torch.no_grad():
+                    for t in tensors:
+                        t.zero_()
+            ok = self._ft.all_reduce(tensors, op="sum", tag=tag)
+            if ok:
+                with torch.no_grad():
+                    for t in tensors:
+                        t.div_(len(participants))
+        if ok and before_commit is not None:
+            before_commit()
+        return self._ft_commit(tensors, backups)
+
+    def _ft_commit(self: Any, tensors: list[Tensor], backups: list[Tensor] | None) -> bool:
+        """Commit this quorum's sync; when it does not commit, put ``backups`` back into ``tensors`` (``None``: the
+        tensors are a copy that is only applied on a commit) and log it. Returns whether it committed."""
         committed = self._ft.commit()
         if not committed:
-            with torch.no_grad():
-                for t, b in zip(tensors, backups):
-                    t.copy_(b)
+            if backups is not None:
+                with torch.no_grad():
+                    for t, b in zip(tensors, backups):
+                        t.copy_(b)
             self.ft_failed_syncs += 1
             log.warning(
                 "replica group %d: the sync after step %d was not committed (%s); it keeps its own replica until the "
@@ -485,6 +529,20 @@ class FaultTolerantSync:
                 self._ft_why(),
             )
         return committed
+
+    def _ft_launch(self: Any, tensors: list[Tensor], tag: str) -> PendingAllReduce:
+        """Launch the average of ``tensors`` over the current quorum and return at once (streaming DiLoCo's fragment
+        in flight during the next ``delay`` steps); :meth:`_ft_finish` waits and commits. No quorum is held before
+        then: the method's schedule puts the next sync after it."""
+        self._ft_current_quorum()
+        self._ft_open = False
+        return self._ft.all_reduce_async(tensors, op="avg", tag=tag)
+
+    def _ft_finish(self: Any, pending: PendingAllReduce) -> bool:
+        """Wait for an average :meth:`_ft_launch` started, then commit it. Its tensors are a copy of the group's
+        values: on ``False`` they are not to be applied (the group keeps its own)."""
+        pending.wait()
+        return self._ft_commit(pending.tensors, None)
 
     def _ft_copy(self, index: int, tensor: Tensor) -> Tensor:
         key = (index, tensor.numel(), tensor.dtype, tensor.device)

@@ -32,6 +32,11 @@ class FedAvgStrategy(SyncStrategy):
     (with an outer optimizer: its step on the local steps since the last round, over all ranks; skipped when there
     were none).
 
+    Fault-tolerant (``fault_tolerance=FaultTolerance(...)``): each round draws :math:`\lceil C M \rceil` of the
+    :math:`M` replica groups in the current quorum (by their rank in it; ``(seed, r)`` as above, so every group draws
+    the same set without communication), and every group of the quorum takes their mean. The round counter travels
+    with the state a restarted group receives.
+
     With an outer optimizer the mean of the round's participants gives the pseudo-gradient: outer SGD with momentum
     is FedAvgM / FedOpt's server optimizer (Reddi et al. 2021), the family DiLoCo belongs to.
 
@@ -55,11 +60,7 @@ class FedAvgStrategy(SyncStrategy):
     supports_accumulation = False
     strategy_description = "FedAvg: average a random fraction C of the replicas x times per epoch"
     carries_sigterm = True
-    fault_tolerance_refusal = (
-        "not yet supported: its syncs fall at positions in the epoch and average a random fraction of the ranks, "
-        "which the quorum's changing members would have to redraw; with fraction=1 use LocalSGDStrategy(period="
-        "steps_per_epoch // syncs_per_epoch, offset=period - 1), which is the same schedule"
-    )
+    fault_tolerance_refusal = None
 
     def __init__(
         self,
@@ -107,11 +108,28 @@ class FedAvgStrategy(SyncStrategy):
         synced = self._batch_position in self._positions
         if synced:
             self.round += 1
-            # replica indices (ranks when every rank is a replica): with replica groups whole replicas take part
-            self.last_participants = fedavg_participants(self.num_replicas, self.fraction, self.seed, self.round)
+            # replica indices (ranks when every rank is a replica): with replica groups whole replicas take part;
+            # fault-tolerant: ranks in the current quorum
+            members = self.num_replicas if self._ft is None else self._ft_current_quorum().replica_world_size
+            self.last_participants = fedavg_participants(members, self.fraction, self.seed, self.round)
             self.average_state(tag="params", participants=self.last_participants)
             self._check_sigterm()
         self.step_counter.record(synced)
+
+    def _ft_next_step_syncs(self) -> bool:
+        steps = self.lightning_module.trainer.num_training_batches
+        following = self._batch_position + 1 if self._batch_position < steps else 1
+        return following in self._positions
+
+    def _ft_method_config(self) -> dict[str, Any]:
+        outer = None if self.outer_config is None else self.outer_config.spec()
+        return {
+            "fraction": self.fraction,
+            "syncs_per_epoch": self.syncs_per_epoch,
+            "seed": self.seed,
+            "outer_optimizer": outer,
+            "average_at_end": self.average_at_end,
+        }
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()
