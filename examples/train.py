@@ -7,7 +7,7 @@ model is a small CNN on scikit-learn's handwritten digits (shipped inside scikit
     python examples/train.py --strategy selsync --strategy-arg delta=0.3 --devices 2 --max-epochs 3
     python examples/train.py --strategy localsgd --strategy-arg period=4 --link 1gbit,1ms --devices 2 --max-steps 40
 
-    lightning-sync lighthouse --bind [::]:29510 &                  # fault tolerant: one process per replica group
+    lightning-sync lighthouse --bind [::]:29510 &                  # fault tolerant: one job per replica group
     python examples/train.py --strategy localsgd --devices 1 --ft-lighthouse http://localhost:29510 \
         --ft-replica-group 0 --ft-replica-groups 2 &
     python examples/train.py --strategy localsgd --devices 1 --ft-lighthouse http://localhost:29510 \
@@ -174,10 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/train", help="logs and checkpoints go here (default: runs/train)")
     ft = parser.add_argument_group(
-        "fault tolerance (localsgd, diloco)",
+        "fault tolerance (localsgd, diloco, fedavg, adpsgd)",
         "Run this process as one replica group of a fault-tolerant run on torchft (pip install -e '.[ft]'): start a "
-        "lighthouse (lightning-sync lighthouse), then one process per replica group with --devices 1. A flag not "
-        "given is read from TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS.",
+        "lighthouse (lightning-sync lighthouse), then one job per replica group: --devices 1, or a node of N "
+        "processes as one replica with --devices N --strategy-arg replica_size=node. A flag not given is read from "
+        "TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS.",
     )
     ft.add_argument("--fault-tolerant", action="store_true", help="join a fault-tolerant run (implied by --ft-*)")
     ft.add_argument("--ft-lighthouse", default=None, metavar="URL", help="the lighthouse, e.g. http://host:29510")

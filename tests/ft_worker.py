@@ -1,7 +1,9 @@
 """One replica group of a fault-tolerant run (driven by tests/test_fault_tolerance.py; not collected by pytest).
 
 Started as its own process (``python tests/ft_worker.py '<json>'``) with its own ``MASTER_PORT``: a replica group is a
-one-process Lightning job (world size 1) that meets the other groups only through torchft. Trains
+Lightning job of one process, or with ``"procs": n`` of n processes (Lightning starts the others; ``replica_size=
+"node"``: one replica, exact data parallelism inside), that meets the other groups only through torchft (its first
+process speaks for the group: it writes the files below). Trains
 :class:`~lightning_sync.models.DigitsCNN` on :class:`~lightning_sync.data.DigitsDataModule` with local SGD, DiLoCo
 (plain or streaming), FedAvg or ADPSGD and ``fault_tolerance=FaultTolerance(...)``, and writes, in ``out``:
 
@@ -60,6 +62,9 @@ def main() -> None:
         "fedavg": FedAvgStrategy,
         "adpsgd": ADPSGDStrategy,
     }
+    procs = cfg.get("procs", 1)  # processes in this replica group: one replica, exact data parallelism inside
+    if procs > 1:
+        kwargs["replica_size"] = cfg.get("replica_size", "node")
     strategy = classes[cfg["strategy"]](fault_tolerance=ft, sync_stats=False, **kwargs)
     streaming = isinstance(strategy, DiLoCoStrategy) and strategy.delay > 0
 
@@ -67,8 +72,15 @@ def main() -> None:
         def __init__(self) -> None:
             self.synced = 0
             self.failed = 0
+            self.ft_step_at_start = None
+
+        def on_train_start(self, trainer, pl_module) -> None:  # after a resume or a heal: counting goes on from here
+            s = trainer.strategy
+            self.synced, self.failed, self.ft_step_at_start = s.step_counter.sync_steps, s.ft_failed_syncs, s._ft.step
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_rank:  # the group's leader speaks for it (its processes hold one replica)
+                return
             s = trainer.strategy
             # a sync ends where its average is taken: at the launch, or (streaming DiLoCo) `delay` steps later
             synced = s.last_applied is not None if streaming else s.step_counter.sync_steps > self.synced
@@ -103,16 +115,18 @@ def main() -> None:
     data = DigitsDataModule(batch_size=32)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=procs,
         strategy=strategy,
         max_steps=cfg["max_steps"],
         max_epochs=-1,
         limit_val_batches=0,
-        callbacks=[Progress(), SaveAtEnd()],
+        callbacks=[progress_cb := Progress(), SaveAtEnd()],
         **quiet_trainer_kwargs(),
     )
     start = time.time()
     trainer.fit(model, data, ckpt_path=cfg.get("resume"))
+    if trainer.global_rank:
+        return
     model.eval()
     correct = total = 0
     with torch.no_grad():
@@ -127,6 +141,8 @@ def main() -> None:
         "epoch": trainer.current_epoch,
         "fit_s": time.time() - start,
         "strategy_step": strategy.step_counter.steps,
+        "world_size": trainer.world_size,
+        "ft_step_at_start": progress_cb.ft_step_at_start,
         "sync_steps": strategy.step_counter.sync_steps,
         "metrics": strategy.sync_metrics(),
         "bytes": dict(strategy.comm_stats.bytes_sent),

@@ -2,7 +2,8 @@
 
 Real processes, a real lighthouse, a real SIGKILL: the test starts ``lightning-sync lighthouse`` on a free port and
 three replica groups (``tests/ft_worker.py``, one process each, its own session and rendezvous port), kills one with
-SIGKILL in the middle of an epoch and, in the first case, starts it again. Asserted:
+SIGKILL in the middle of an epoch and, in the first case, starts it again — with local SGD, streaming DiLoCo, FedAvg
+and ADPSGD, and with groups of two processes each (a node as one replica: the whole node killed). Asserted:
 
 * the survivors never restart (one process each, exit status 0) and keep stepping: their step counters go 1, 2, ...
   to the end with no gap, and they sync with two replica groups while the third is gone;
@@ -11,8 +12,9 @@ SIGKILL in the middle of an epoch and, in the first case, starts it again. Asser
 * every group reaches the digits workload's target (validation accuracy 0.95) and ends with the same model;
 * a checkpoint the restarted group takes after the rejoin resumes (global step, schedule and torchft step go on);
 * a group that never comes back: the others finish with one replica group fewer;
-* the lighthouse unreachable at start: a clear error naming it, not a hang; a strategy or argument that cannot run
-  fault-tolerant, or a replica group configured differently from its peers: an error saying why.
+* the lighthouse unreachable at start: a clear error naming it, not a hang (on both processes of a two-process group);
+  a strategy or argument that cannot run fault-tolerant, two processes that are not one replica, or a replica group
+  configured differently from its peers: an error saying why.
 
 Nothing depends on the machine's speed: the survivors step slowly (a file the workers look at) until the restarted
 group has rejoined, every wait is bounded generously and fails the test as a hang, and no duration is asserted.
@@ -186,20 +188,24 @@ def _committed_syncs(records: list[dict]) -> dict[int, list[int]]:
     return {r["ft_step"]: r["checksum"] for r in records if r["synced"] and r["committed"]}
 
 
-def _start_and_kill(run: Run, restart: bool) -> tuple[list[subprocess.Popen], subprocess.Popen | None, int]:
+def _start_and_kill(
+    run: Run, restart: bool, procs_per_group: int = 1, kill_at: int = KILL_AT
+) -> tuple[list[subprocess.Popen], subprocess.Popen | None, int]:
+    """Start the lighthouse and the groups, SIGKILL every process of group 1 at ``kill_at`` (a node lost), start it
+    again if ``restart``."""
     (run.out / "slow").touch()  # every group steps slowly until the test says otherwise
     run.lighthouse()
-    procs = [run.group(g) for g in range(GROUPS)]
+    procs = [run.group(g, procs=procs_per_group) for g in range(GROUPS)]
     victim = procs[1]
     run.wait_until(
-        f"replica group 1 at step {KILL_AT}", lambda: any(r["step"] >= KILL_AT for r in run.progress(1)), procs
+        f"replica group 1 at step {kill_at}", lambda: any(r["step"] >= kill_at for r in run.progress(1)), procs
     )
-    os.kill(victim.pid, signal.SIGKILL)
+    os.killpg(victim.pid, signal.SIGKILL)  # the group's session: its first process and those Lightning started
     assert victim.wait(timeout=60) == -signal.SIGKILL
     killed_at = max(r["step"] for r in run.progress(1))
     back = None
     if restart:
-        back = run.group(1, tag="b")
+        back = run.group(1, tag="b", procs=procs_per_group)
         run.wait_until(
             "the restarted replica group's first step",
             lambda: any(r["pid"] == back.pid for r in run.progress(1)),
@@ -209,7 +215,7 @@ def _start_and_kill(run: Run, restart: bool) -> tuple[list[subprocess.Popen], su
     return procs, back, killed_at
 
 
-def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps: int) -> None:
+def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps: int, kill_at: int = KILL_AT) -> None:
     dump = run.dump()
     for g in survivors:
         assert codes[g] == 0, f"replica group {g} exited with {codes[g]}\n{dump}"
@@ -219,7 +225,7 @@ def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps
         assert steps == list(range(1, max_steps + 1)), f"replica group {g}'s steps have a gap: {steps}"
         syncs = [r for r in run.progress(g) if r["synced"]]
         assert any(r["replicas"] == GROUPS - 1 for r in syncs), f"group {g} never synced without the lost group"
-        assert all(r["committed"] for r in syncs if r["step"] > KILL_AT + 8), "a sync failed well after the kill"
+        assert all(r["committed"] for r in syncs if r["step"] > kill_at + 8), "a sync failed well after the kill"
         (result,) = run.results(g)
         assert result["val_acc"] >= TARGET, f"replica group {g} ends at validation accuracy {result['val_acc']}"
         assert result["global_step"] == max_steps
@@ -238,10 +244,48 @@ def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps
 )
 def test_a_killed_replica_group_restarts_and_rejoins_while_the_others_keep_training(strategy, run_dir):
     run = run_dir(strategy)
-    max_steps = RUNS[strategy]["max_steps"]
-    procs, back, killed_at = _start_and_kill(run, restart=True)
+    _kill_restart_and_check(run, RUNS[strategy]["max_steps"])
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_a_replica_group_of_two_processes_is_one_replica_that_survives_losing_a_node(run_dir):
+    """A replica group is a node of 2 processes (``replica_size="node"``: exact data parallelism inside, the method
+    between groups; its first process is the group's member of the quorum and the other follows it): the whole node
+    is killed and started again, and everything asserted for one-process groups holds."""
+    run = run_dir("localsgd")
+    results = _kill_restart_and_check(run, RUNS["localsgd"]["max_steps"], procs_per_group=2, kill_at=20)
+    for result in results:
+        assert result["world_size"] == 2
+        # inside the group: the exact gradient all-reduce every step, and the leader's results shared
+        assert result["bytes"].get("intra/grads", 0) > 0 and result["bytes"].get("intra/params", 0) > 0
+        assert result["bytes"].get("params", 0) > 0  # between groups: the leader's averages
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_a_lost_process_takes_its_two_process_group_down_and_the_other_groups_go_on(run_dir):
+    """Only the second process of group 1 is killed: the group's first process fails at its next collective inside
+    the group and exits with an error; the other groups finish without group 1."""
+    run = run_dir("localsgd")
+    (run.out / "slow").touch()
+    run.lighthouse()
+    procs = [run.group(g, procs=2) for g in range(GROUPS)]
+    run.wait_until("replica group 1 at step 20", lambda: any(r["step"] >= 20 for r in run.progress(1)), procs)
+    children = subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 1, children  # the process Lightning started for the group's second rank
+    os.kill(int(children[0]), signal.SIGKILL)
+    assert procs[1].wait(timeout=LIMIT_S) != 0, "the group's first process went on without its second"
+    (run.out / "slow").unlink()
+    codes = run.finish([procs[0], procs[2]])
+    _check_survivors(run, [codes[0], None, codes[1]], [0, 2], RUNS["localsgd"]["max_steps"], kill_at=20)
+    assert run.results(1) == []
+
+
+def _kill_restart_and_check(run: Run, max_steps: int, procs_per_group: int = 1, kill_at: int = KILL_AT) -> list[dict]:
+    """Group 1 killed and restarted; the survivors' and the restarted group's checks; a checkpoint the restarted group
+    took resumes. Returns the three groups' results."""
+    procs, back, killed_at = _start_and_kill(run, restart=True, procs_per_group=procs_per_group, kill_at=kill_at)
     codes = run.finish([procs[0], back, procs[2]])
-    _check_survivors(run, [codes[0], None, codes[2]], [0, 2], max_steps)
+    _check_survivors(run, [codes[0], None, codes[2]], [0, 2], max_steps, kill_at)
     assert codes[1] == 0, f"the restarted replica group exited with {codes[1]}\n{run.dump()}"
 
     runs = _by_pid(run.progress(1))
@@ -268,14 +312,17 @@ def test_a_killed_replica_group_restarts_and_rejoins_while_the_others_keep_train
     ckpt = run.out / "end_g1b.ckpt"
     assert ckpt.exists() and Path(f"{ckpt}.rank0").exists()
     more = 8
-    resumed = run.group(1, tag="r", resume=str(ckpt), max_steps=max_steps + more, join_timeout=2, save=None)
+    resumed = run.group(
+        1, tag="r", resume=str(ckpt), max_steps=max_steps + more, join_timeout=2, save=None, procs=procs_per_group
+    )
     assert run.finish([resumed]) == [0], run.dump()
     after = _by_pid(run.progress(1))[resumed.pid]
     assert [r["step"] for r in after] == list(range(max_steps + 1, max_steps + more + 1))
     (result,) = [r for r in run.results(1) if r["pid"] == resumed.pid]
     assert result["strategy_step"] == max_steps + more
     # torchft's step as saved (the step's end, before the final average), plus the commit of the resumed start
-    assert after[0]["ft_step"] == runs[back.pid][-1]["ft_step"] + 1
+    assert result["ft_step_at_start"] == runs[back.pid][-1]["ft_step"] + 1
+    return results
 
 
 @pytest.mark.timeout(3 * LIMIT_S)
@@ -334,6 +381,26 @@ def test_a_lighthouse_gone_during_the_run_stops_every_group_at_its_next_sync_wit
         assert (
             f"replica group 'replica_{g}' could not get a quorum from the lighthouse at {run.url} within 10 s" in text
         )
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_a_replica_group_of_two_processes_stops_on_every_process_with_the_cause(run_dir):
+    """Two processes that are not one replica (``replica_size=None``: each its own) cannot be one replica group; a
+    leader that cannot reach the lighthouse stops its group's other process with the same cause."""
+    run = run_dir("localsgd")
+    run.lighthouse()
+    flat = run.group(0, groups=2, procs=2, replica_size=None)
+    assert run.finish([flat]) == [1], run.dump()
+    text = run.logs[-1].read_text()
+    assert text.count("with 2 processes in this replica group: they must form one replica") == 2, text[-3000:]
+    assert "replica_size='node'" in text
+
+    run.url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    lost = run.group(0, tag="x", groups=2, procs=2, connect_timeout=2)
+    assert run.finish([lost]) == [1], run.dump()
+    text = run.logs[-1].read_text()
+    assert "the replica group's leader (rank 0) could not join: FaultToleranceError" in text, text[-3000:]
+    assert text.count(f"cannot reach the torchft lighthouse at {run.url}") >= 2
 
 
 @pytest.mark.timeout(LIMIT_S)

@@ -318,8 +318,8 @@ class DiLoCoStrategy(SyncStrategy):
             raise RuntimeError("DiLoCoStrategy: a fragment is due but none is in flight (schedule out of step)")
         for handle in pending.handles:
             handle.wait()
-        if self.delay > 0:  # replica groups: the leader's mean to its replica (done in _launch when blocking)
-            self._share_in_replica(pending.buffers, "params")
+        if self.delay > 0 and pending.ft is None:  # replica groups: the leader's mean to its replica (fault-tolerant:
+            self._share_in_replica(pending.buffers, "params")  # in the wait; blocking: in _launch)
         if pending.ft is not None:  # fault-tolerant, in flight since the launch: commit it now (or keep our own)
             pending.committed = self._ft_finish(pending.ft)
             if self.verify_sync:

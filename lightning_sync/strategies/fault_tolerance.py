@@ -1,9 +1,10 @@
 r"""Fault-tolerant replica groups on torchft: training that survives a lost replica.
 
 ``LocalSGDStrategy(period=8, fault_tolerance=FaultTolerance(lighthouse="http://host:29510", replica_group=0,
-replica_groups=3))``: every *replica group* is its own job (one process for now; the replica-groups issue makes a
-group a node of processes), started on its own, with its own Lightning world. The groups meet only at their syncs,
-through torchft (:mod:`lightning_sync.comm.ft`):
+replica_groups=3))``: every *replica group* is its own job, started on its own, with its own Lightning world: one
+process (``devices=1``), or a node of processes that are one replica (``devices=N, replica_size="node"``: exact data
+parallelism inside, :mod:`~lightning_sync.strategies.replicas`). The groups meet only at their syncs, through torchft
+(:mod:`lightning_sync.comm.ft`):
 
 * **Quorums at syncs only.** At the end of the step before a sync step (a callback's ``on_train_batch_end``, where a
   checkpoint would be taken) each group asks torchft's lighthouse for a quorum: the groups alive now. The sync at
@@ -18,6 +19,11 @@ through torchft (:mod:`lightning_sync.comm.ft`):
   position in it, and the data loader's position), callbacks — and the strategy's state (schedule position, step
   counters, DiLoCo's outer optimizer and global parameters, ``evaluate="last_sync"``'s copy). Lightning restores it as
   it restores a checkpoint (``fit(ckpt_path=...)``), and the group then takes part in that very sync.
+* **A group of several processes** has one member of the quorum, its first process (the leader, as between
+  replica groups without fault tolerance); the others follow it through :class:`~lightning_sync.comm.ft.ReplicaMirror`
+  over the replica's own communicator: they receive the quorum's answer, a peer's state, each average and each
+  commit's verdict, so every process of the group decides alike and holds the same replica. A lost process takes its
+  whole group down (its collectives inside the group fail); the group restarts as a whole, like a lost node.
 * **Data.** The training data is sharded over ``replica_groups`` by the group's fixed index (a group that is gone
   leaves its shard untrained until it is back); validation data only over the group's own processes, so every group
   validates on the whole validation split (groups in sync report the same metrics).
@@ -34,7 +40,8 @@ Supported: local SGD, DiLoCo (plain and streaming: a fragment's all-reduce launc
 fraction drawn among the quorum's members) and ADPSGD (its statistic all-reduced inside the sync's commit). Refused,
 with the reason, at construction:
 every other strategy (:attr:`~lightning_sync.strategies.SyncStrategy.fault_tolerance_refusal`), compression, data
-injection, and (at setup) ``accumulate_grad_batches > 1`` and replica groups of more than one process.
+injection, and (at setup) ``accumulate_grad_batches > 1`` and a group of several processes that are not one replica
+(``replica_size`` other than ``"node"`` or the group's size).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from torch.utils._pytree import tree_map
 from lightning_sync.core.validation import check_int
 
 if TYPE_CHECKING:
-    from lightning_sync.comm.ft import PendingAllReduce, QuorumInfo, ReplicaGroupComm
+    from lightning_sync.comm.ft import PendingAllReduce, QuorumInfo, ReplicaGroupComm, ReplicaMirror
 
 __all__ = ["FaultTolerance", "FaultTolerantSync"]
 
@@ -202,7 +209,7 @@ class FaultTolerantSync:
     """
 
     fault_tolerance: FaultTolerance | None
-    _ft: ReplicaGroupComm | None = None
+    _ft: ReplicaGroupComm | ReplicaMirror | None = None
     #: a quorum was held at this step boundary for the next step's sync (and not used yet)
     _ft_open: bool = False
     _ft_received: Any = None  # a peer's state, received during the quorum, applied after the members' check
@@ -232,31 +239,37 @@ class FaultTolerantSync:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return  # validate/test/predict: each replica group evaluates on its own, with nobody else
         name = type(self).__name__
-        if self.world_size != 1:
+        if self.world_size > 1 and self.ranks_per_replica != self.world_size:
             raise ValueError(
-                f"{name}(fault_tolerance=...) runs one process per replica group for now (this group has "
-                f"{self.world_size}): start each replica group as its own job with devices=1, num_nodes=1 "
-                "(groups of several processes come with the replica-groups issue)"
+                f"{name}(fault_tolerance=...) with {self.world_size} processes in this replica group: they must form "
+                f"one replica (exact data parallelism inside the group, the method between groups), got "
+                f"replica_size={self.replica_size!r} ({self.ranks_per_replica} rank(s) per replica). Start each "
+                "replica group as one job of one node with replica_size='node' (or replica_size=devices), or run one "
+                "process per replica group (devices=1, num_nodes=1)"
             )
-        from lightning_sync.comm.ft import ReplicaGroupComm
+        from lightning_sync.comm.ft import ReplicaMirror
 
-        self._ft = ReplicaGroupComm(
-            stats=self.comm_stats,
-            clock=self.comm.clock,  # one emulated link per replica: its Communicator's
-            lighthouse=cfg.lighthouse,
-            replica_id=cfg.replica_id,
-            min_replicas=cfg.min_replicas,
-            group_rank=self.global_rank,
-            group_world_size=self.world_size,
-            store_addr=cfg.hostname or os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            store_port=int(os.environ["MASTER_PORT"]),
-            state_dict=self._ft_state_to_send,
-            load_state_dict=self._ft_receive,
-            timeout=cfg.timeout,
-            quorum_timeout=cfg.quorum_timeout,
-            connect_timeout=cfg.connect_timeout,
-            hostname=cfg.hostname,
-        )
+        mirror = None
+        if self.world_size > 1:  # the leader joins the quorum, the replica's other processes follow it
+            mirror = ReplicaMirror(None, self._intra, self._ft_receive, leader=self.global_rank == 0)
+        inner, failed = None, None
+        if self.global_rank == 0:
+            try:
+                inner = self._ft_join(cfg, mirror)
+            except Exception as err:  # the replica's other processes stop with the same error
+                if mirror is None:
+                    raise
+                failed = err
+        if mirror is not None:
+            message = mirror.agree(None if failed is None else f"{type(failed).__name__}: {failed}")
+            if failed is not None:
+                raise failed
+            if message is not None:
+                raise self._ft_error(f"the replica group's leader (rank 0) could not join: {message}")
+            mirror.inner = inner
+            self._ft = mirror
+        else:
+            self._ft = inner
         self._ft_open = False
         self._ft_scratch = {}
         self.ft_quorums = 0
@@ -265,6 +278,29 @@ class FaultTolerantSync:
         self.ft_replicas = 0
         if not any(isinstance(cb, _QuorumAtStepEnd) for cb in trainer.callbacks):
             trainer.callbacks.append(_QuorumAtStepEnd(self))
+
+    def _ft_join(self: Any, cfg: FaultTolerance, mirror: ReplicaMirror | None) -> ReplicaGroupComm:
+        """The leader's membership in the quorum (torchft sees one process per replica group; with a ``mirror`` the
+        state a peer sends is shared with the group's other processes before anyone loads it)."""
+        from lightning_sync.comm.ft import ReplicaGroupComm
+
+        return ReplicaGroupComm(
+            stats=self.comm_stats,
+            clock=self.comm.clock,  # one emulated link per replica: its Communicator's
+            lighthouse=cfg.lighthouse,
+            replica_id=cfg.replica_id,
+            min_replicas=cfg.min_replicas,
+            group_rank=0,
+            group_world_size=1,
+            store_addr=cfg.hostname or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            state_dict=self._ft_state_to_send,
+            load_state_dict=self._ft_receive if mirror is None else mirror.capture,
+            timeout=cfg.timeout,
+            quorum_timeout=cfg.quorum_timeout,
+            connect_timeout=cfg.connect_timeout,
+            hostname=cfg.hostname,
+        )
 
     def _ft_check_trainer(self: Any, trainer: pl.Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -293,11 +329,12 @@ class FaultTolerantSync:
         from it. Then a group that was not behind commits once, so any group that starts later is behind and heals,
         never the other way round."""
         cfg = self.fault_tolerance
-        deadline = time.monotonic() + cfg.join_timeout.total_seconds()
-        quorum_deadline = time.monotonic() + cfg.quorum_timeout.total_seconds()
+        start = time.monotonic()
+        deadline = cfg.join_timeout.total_seconds()
+        quorum_deadline = cfg.quorum_timeout.total_seconds()
         while True:
             info = self._ft_quorum(startup=True)
-            now = time.monotonic()
+            now = self._ft.agree(time.monotonic() - start)  # the leader's clock: every process decides alike
             if info.error is not None:  # e.g. the peer sending the state was lost: the next quorum tries again
                 if now >= quorum_deadline:
                     raise self._ft_error(
@@ -398,8 +435,7 @@ class FaultTolerantSync:
         return FaultToleranceError(f"fault tolerance: {message}")
 
     def _ft_why(self: Any) -> str:
-        err = self._ft.manager.errored()
-        return "an error in this quorum" if err is None else str(err.original_exception)
+        return self._ft.why()
 
     # ------------------------------------------------------------------ state transfer
     def _ft_state_to_send(self: Any) -> dict[str, Any]:

@@ -123,7 +123,7 @@ class ReplicaGroups:
                 f"this run has none ({why}, every rank a replica). Set replica_size to 'node' or a group size > 1, "
                 "or leave intra_link=None (the link argument emulates the link between replicas)."
             )
-        if size > 1 and size == world:
+        if size > 1 and size == world and getattr(self, "fault_tolerance", None) is None:
             rank_zero_warn(
                 f"{name}(replica_size={self.replica_size!r}): all {world} ranks form one replica, so there is no "
                 "other replica to synchronise with: this trains as exact data parallelism (BSP) over every rank. Use "
