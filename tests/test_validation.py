@@ -658,6 +658,7 @@ SPECS: dict[type, dict[str, Arg]] = {
     ),
     FedAvgStrategy: _with(
         base_specs(),
+        fault_tolerance=_fault_tolerance_arg(supported=True),
         fraction=real_arg("fraction", 0.0, 1.0, low_open=True),
         syncs_per_epoch=int_arg(
             "syncs_per_epoch", 1, note="<= the training batches per epoch: checked at train start (needs the data)"
@@ -669,6 +670,7 @@ SPECS: dict[type, dict[str, Arg]] = {
     ),
     ADPSGDStrategy: _with(
         base_specs(),
+        fault_tolerance=_fault_tolerance_arg(supported=True),
         p_init=int_arg(
             "p_init",
             1,
