@@ -167,16 +167,14 @@ class ADPSGDStrategy(SyncStrategy):
         return self.controller is not None and self.controller.averages_next()
 
     def _ft_method_config(self) -> dict[str, Any]:
-        outer = None if self.outer_config is None else self.outer_config.spec()
         return {
+            **super()._ft_method_config(),
             "p_init": self.p_init,
             "warmup_epochs": self.warmup_epochs,
             "sample_fraction": self.sample_fraction,
             "low": self.low,
             "high": self.high,
             "max_period": self.max_period,
-            "outer_optimizer": outer,
-            "average_at_end": self.average_at_end,
         }
 
     def sync_metrics(self) -> dict[str, float]:

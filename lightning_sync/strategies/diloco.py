@@ -412,8 +412,7 @@ class DiLoCoStrategy(SyncStrategy):
         return self.schedule.launched_after(self._step) is not None
 
     def _ft_method_config(self) -> dict[str, Any]:
-        outer = None if self.outer_config is None else self.outer_config.spec()
-        return {**self._config(), "alpha": self.alpha, "outer_optimizer": outer, "average_at_end": self.average_at_end}
+        return {**super()._ft_method_config(), **self._config(), "alpha": self.alpha}
 
     def _config(self) -> dict[str, int]:
         return {"sync_every": self.sync_every, "fragments": self.fragments, "delay": self.delay}

@@ -227,9 +227,14 @@ class FaultTolerantSync:
             "_ft_next_step_syncs"
         )
 
-    def _ft_method_config(self) -> dict[str, Any]:
-        """What must be equal in every replica group (the method's arguments), checked when the quorum changes."""
-        return {}
+    def _ft_method_config(self: Any) -> dict[str, Any]:
+        """What must be equal in every replica group (the method's arguments), checked when the quorum changes: the
+        outer optimizer and ``average_at_end`` here; a method adds its own to ``super()``'s."""
+        outer = getattr(self, "outer_config", None)
+        config: dict[str, Any] = {"outer_optimizer": None if outer is None else outer.spec()}
+        if hasattr(self, "average_at_end"):
+            config["average_at_end"] = self.average_at_end
+        return config
 
     # ------------------------------------------------------------------ setup
     def _ft_setup_environment(self: Any) -> None:

@@ -122,13 +122,11 @@ class FedAvgStrategy(SyncStrategy):
         return following in self._positions
 
     def _ft_method_config(self) -> dict[str, Any]:
-        outer = None if self.outer_config is None else self.outer_config.spec()
         return {
+            **super()._ft_method_config(),
             "fraction": self.fraction,
             "syncs_per_epoch": self.syncs_per_epoch,
             "seed": self.seed,
-            "outer_optimizer": outer,
-            "average_at_end": self.average_at_end,
         }
 
     def sync_metrics(self) -> dict[str, float]:

@@ -98,13 +98,11 @@ class LocalSGDStrategy(SyncStrategy):
         return self.schedule.should_average(self._step)
 
     def _ft_method_config(self) -> dict[str, Any]:
-        outer = None if self.outer_config is None else self.outer_config.spec()
         return {
+            **super()._ft_method_config(),
             "period": self.period,
             "warmup_steps": self.warmup_steps,
             "offset": self.offset,
-            "outer_optimizer": outer,
-            "average_at_end": self.average_at_end,
         }
 
     def sync_metrics(self) -> dict[str, float]:
