@@ -568,8 +568,11 @@ def write_report(
 def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
     """Re-render the runs of earlier ``compare`` outputs (e.g. one per link, with different seed counts) as one
     report: a table per link and the bandwidth plot over all of them. Each folder's ``summary.json`` and
-    ``runs.csv`` say what ran; every run's own records are read again. The targets must agree."""
+    ``runs.csv`` say what ran; every run's own records are read again: from its run folder, or, in a committed report
+    whose run folders were packed (``benchmarks/pack_records.py``), from the folder's ``records.jsonl.gz``. The
+    targets must agree."""
     import csv as _csv
+    import gzip
 
     from lightning_sync.benchmark.ttt import outcome, read_records
 
@@ -585,20 +588,32 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
         wheres.add(summary.get("where", ""))
         groups += [(g, link) for g, link in summary["groups"] if (g, link) not in groups]
         labels += [label for label in summary["labels"] if label not in labels]
+        packed: dict[str, dict[str, Any]] = {}  # a committed report's runs: {run folder, relative: packed entry}
+        if (folder / "records.jsonl.gz").exists():
+            with gzip.open(folder / "records.jsonl.gz", "rt", encoding="utf-8") as f:
+                packed = {e["run"]: e for e in map(json.loads, f) if "records" in e}
         with (folder / "runs.csv").open() as f:
             for line in _csv.DictReader(f):
                 run_dir = Path(line["run_dir"])
                 r = RunResult(line["method"], int(line["seed"]), line["link"], run_dir, ok=line["ok"] == "True")
                 r.error, r.killed, r.seconds = line["error"], line["killed"] == "True", float(line["seconds"] or 0)
                 path = run_dir / "time_to_target.jsonl"
-                if r.ok and not path.exists():  # else it would show as missed: a silently wrong row
+                # the packed run whose folder the run_dir ends with (runs.csv may name it from another directory)
+                keys = [k for k in packed if ("/" + run_dir.as_posix()).endswith("/" + k)]
+                if path.exists():
+                    records = read_records(path)
+                elif len(keys) == 1:
+                    r.packed = packed[keys[0]]
+                    records = r.records
+                elif r.ok:  # else it would show as missed: a silently wrong row
                     raise ValueError(
                         f"--merge: {folder}/runs.csv names a run that completed ({line['method']}, seed "
-                        f"{line['seed']}), but its records {path} are not there (a committed report keeps no run "
-                        "folders): merge the folders the runs wrote, or re-render committed reports with "
-                        "benchmarks/bandwidth_grid.py"
+                        f"{line['seed']}), but its records are neither in {path} nor packed in "
+                        f"{folder / 'records.jsonl.gz'}: merge the folders the runs wrote, or the committed report "
+                        "with its records.jsonl.gz"
                     )
-                records = read_records(path)
+                else:
+                    records = []
                 r.outcome = outcome(records) if records else None
                 results.append(r)
     if len(targets) != 1:

@@ -299,32 +299,44 @@ def test_a_cluster_run_starts_every_process_of_every_host(tmp_path):
 
 
 def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path):
-    """A grouped row's column is rank 0's ``bytes_inter``; a flat row (every rank a replica) sent all its bytes
-    between replicas; a table without grouped rows has no such column."""
+    """A grouped row's columns are rank 0's ``bytes_inter`` and its blocked seconds inside / between replicas; a
+    flat row (every rank a replica) sent all its bytes and was blocked only between replicas; a table without
+    grouped rows has none of these columns."""
     from lightning_sync.benchmark import report
     from lightning_sync.benchmark.runs import RunResult, Target
     from lightning_sync.benchmark.ttt import Outcome
 
-    def run(label: str, seed: int, inter: float) -> RunResult:
+    nan = float("nan")
+
+    def run(label: str, seed: int, inter: float, intra_s: float = nan, inter_s: float = nan) -> RunResult:
         r = RunResult(label, seed, "1gbit", tmp_path / label, ok=True)
-        r.outcome = Outcome(reached=True, time_s=10.0, steps=100, bytes_per_rank=1000.0, inter_bytes=inter)
+        r.outcome = Outcome(
+            reached=True, time_s=10.0, steps=100, bytes_per_rank=1000.0, inter_bytes=inter, blocked_s=9.0,
+            blocked_intra_s=intra_s, blocked_inter_s=inter_s,
+        )  # fmt: skip
         return r
 
-    nan = float("nan")
     target = Target("val_acc", 0.5, "max")
-    results = [run("ddp", s, nan) for s in (0, 1)] + [run("localsgd (replica_size=2)", s, 40.0 + 2 * s) for s in (0, 1)]
+    grouped_runs = [run("localsgd (replica_size=2)", s, 40.0 + 2 * s, 2.0 + s, 6.0 + s) for s in (0, 1)]
+    results = [run("ddp", s, nan) for s in (0, 1)] + grouped_runs
     rows = report.table_rows(["ddp", "localsgd (replica_size=2)"], results)
     assert [row["inter_bytes"] for row in rows] == [1000.0, 41.0]
+    assert [row["blocked_inter_s"] for row in rows] == [9.0, 6.5] and rows[1]["blocked_intra_s"] == 2.5
     header, _, ddp, grouped = report.markdown(rows, target).splitlines()
     assert "| bytes sent / rank | bytes between replicas / replica |" in header
+    assert "| blocked s | blocked s inside replica | blocked s between replicas |" in header
     assert "| 1,000 | 1,000 |" in ddp and "| 1,000 | 41 |" in grouped
+    assert "| 9.0 | – | 9.0 |" in ddp and "| 9.0 | 2.5 | 6.5 |" in grouped
     assert "Bytes between replicas / replica" in report.legend(target, 2, rows)
     report.write_csv(rows, tmp_path / "table.csv")
     report.write_runs(results, tmp_path / "runs.csv")
-    assert "inter_bytes" in (tmp_path / "table.csv").read_text().splitlines()[0]
-    assert "inter_bytes" in (tmp_path / "runs.csv").read_text().splitlines()[0]
+    for name in ("table.csv", "runs.csv"):
+        head = (tmp_path / name).read_text().splitlines()[0]
+        assert "inter_bytes" in head and "blocked_intra_s" in head and "blocked_inter_s" in head
     flat = report.table_rows(["ddp"], results[:2])
-    assert "inter_bytes" not in flat[0] and "between replicas" not in report.markdown(flat, target)
+    assert not {"inter_bytes", "blocked_intra_s", "blocked_inter_s"} & set(flat[0])
+    assert "between replicas" not in report.markdown(flat, target)
     assert "between replicas" not in report.legend(target, 2, flat)
     report.write_runs(results[:2], tmp_path / "flat_runs.csv")
     assert "inter_bytes" not in (tmp_path / "flat_runs.csv").read_text()
+    assert "blocked_inter_s" not in (tmp_path / "flat_runs.csv").read_text()

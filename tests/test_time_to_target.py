@@ -367,11 +367,23 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
     assert fast_rows["ddp"]["dropped_extremes"] and fast_rows["ddp"]["mean_s"] == pytest.approx(10.0)  # 5 seeds
     assert (tmp_path / "all" / "time_to_target_vs_bandwidth.png").stat().st_size > 0
     assert (tmp_path / "all" / "1gbit-1ms" / "table.md").read_text().count("*") >= 2  # trimmed means marked
-    # a folder whose run records are gone (a committed report) is refused, not shown as missed runs
-    import shutil
 
-    shutil.rmtree(Path(fast) / "localsgd" / "seed3")
-    with pytest.raises(ValueError, match="localsgd, seed 3.*not there"):
+    # a committed report: its run folders packed into records.jsonl.gz (benchmarks/pack_records.py) merge alike
+    def eval_times(runs):
+        fast_runs = [r for r in runs if r.link == "1gbit,1ms"]
+        return [[rec["wall_s"] for rec in r.records if rec.get("event") == "eval"] for r in fast_runs]
+
+    before = eval_times(result["runs"])
+    assert _script("pack_records").pack(fast) == 10 and not (Path(fast) / "localsgd").exists()
+    packed = compare_main(["--merge", slow, fast, "--out", str(tmp_path / "packed")])
+    assert all(r.packed is not None for r in packed["runs"] if r.link == "1gbit,1ms")  # read from records.jsonl.gz
+    assert eval_times(packed["runs"]) == before and len(before) == 10 and all(len(t) == 2 for t in before)
+    for link in ("100mbit-1ms", "1gbit-1ms"):
+        table = (tmp_path / "all" / link / "table.md").read_text()
+        assert (tmp_path / "packed" / link / "table.md").read_text() == table and "0.95" in table
+    # a folder whose run records are gone (neither a run folder nor packed) is refused, not shown as missed runs
+    (Path(fast) / "records.jsonl.gz").unlink()
+    with pytest.raises(ValueError, match="ddp, seed 0.*neither"):
         compare_main(["--merge", slow, fast, "--out", str(tmp_path / "again")])
 
 

@@ -42,7 +42,9 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
     means over the runs that reached it of steps, bytes sent per rank, blocked and evaluation seconds and LSSR at
     the target, and the best metric value (mean over runs). When some row ran with replica groups, every row also
     has ``inter_bytes``: the bytes a replica sent between replicas (rank 0's ``bytes_inter``; a row without groups,
-    every rank a replica, sent all its bytes between replicas: its ``bytes_per_rank``)."""
+    every rank a replica, sent all its bytes between replicas: its ``bytes_per_rank``), and the seconds rank 0 was
+    blocked inside its replica (``blocked_intra_s``; none without groups) and between replicas
+    (``blocked_inter_s``; without groups: its ``blocked_s``)."""
     by_label: dict[str, list[RunResult]] = {label: [] for label in labels}
     for r in results:
         by_label.setdefault(r.label, []).append(r)
@@ -75,6 +77,8 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
             bytes_per_rank=_mean([o.bytes_per_rank for o in at]),
             inter_bytes=_mean([o.inter_bytes for o in at]),
             blocked_s=_mean([o.blocked_s for o in at]),
+            blocked_intra_s=_mean([o.blocked_intra_s for o in at]),
+            blocked_inter_s=_mean([o.blocked_inter_s for o in at]),
             eval_s=_mean([o.eval_s for o in at]),
             lssr=_mean([o.lssr for o in at]),
             best=_mean([o.best for o in ran]),
@@ -85,10 +89,16 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
         for row in rows:
             if "reached" in row and not _has_inter(row):
                 row["inter_bytes"] = row["bytes_per_rank"]
+                row["blocked_inter_s"] = row["blocked_s"]
     else:
         for row in rows:
-            row.pop("inter_bytes", None)
+            for key in _GROUPED:
+                row.pop(key, None)
     return rows
+
+
+#: the columns a table has only when some row ran with replica groups
+_GROUPED = ("inter_bytes", "blocked_intra_s", "blocked_inter_s")
 
 
 def _has_inter(row: dict[str, Any]) -> bool:
@@ -107,6 +117,8 @@ COLUMNS = [
     ("bytes_per_rank", "bytes sent / rank"),
     ("inter_bytes", "bytes between replicas / replica"),  # only in tables with replica groups (:func:`table_rows`)
     ("blocked_s", "blocked s"),
+    ("blocked_intra_s", "blocked s inside replica"),  # these two only with replica groups, as inter_bytes
+    ("blocked_inter_s", "blocked s between replicas"),
     ("eval_s", "eval s"),
     ("lssr", "LSSR"),
     ("best", "best"),
@@ -137,9 +149,9 @@ def _fmt(key: str, value: Any, row: dict[str, Any]) -> str:
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The table's columns: the bytes between replicas only when a row ran with replica groups."""
+    """The table's columns: the bytes and blocked seconds per level only when a row ran with replica groups."""
     inter = any("inter_bytes" in row for row in rows)
-    return [(key, label) for key, label in COLUMNS if key != "inter_bytes" or inter]
+    return [(key, label) for key, label in COLUMNS if key not in _GROUPED or inter]
 
 
 def markdown(rows: list[dict[str, Any]], target: Target) -> str:
@@ -171,7 +183,9 @@ def legend(target: Target, seeds: int, rows: list[dict[str, Any]] | None = None)
             " Bytes between replicas / replica: with replica groups (replica_size), what rank 0 — the first "
             "replica's leader, the one rank per replica that syncs between replicas — sent outside its replica "
             "(bytes sent / rank also counts the traffic inside the replica); a row without replica groups is one "
-            "replica per rank, and all its bytes are sent between replicas."
+            "replica per rank, and all its bytes are sent between replicas. Blocked s inside replica / between "
+            "replicas: rank 0's blocked seconds split the same way (a row without replica groups is blocked only "
+            "between replicas)."
         )
     return text
 
@@ -210,8 +224,9 @@ def write_runs(results: Sequence[RunResult], path: Path) -> None:
         "run_dir",
     ]
     inter = any(r.outcome is not None and not math.isnan(r.outcome.inter_bytes) for r in results)
-    if inter:  # replica groups in this report: the bytes sent between replicas (rank 0's)
+    if inter:  # replica groups in this report: the bytes sent and the seconds blocked per level (rank 0's)
         keys.insert(keys.index("bytes_per_rank") + 1, "inter_bytes")
+        keys[keys.index("blocked_s") + 1 : keys.index("blocked_s") + 1] = ["blocked_intra_s", "blocked_inter_s"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
@@ -235,7 +250,9 @@ def write_runs(results: Sequence[RunResult], path: Path) -> None:
                     first_batch=o.first_batch,
                 )
                 if inter:
-                    line["inter_bytes"] = "" if math.isnan(o.inter_bytes) else o.inter_bytes
+                    for key in _GROUPED:
+                        value = getattr(o, key)
+                        line[key] = "" if math.isnan(value) else value
             writer.writerow(line)
 
 
@@ -365,9 +382,7 @@ def _number(value: Any) -> float:
 
 def _seed_series(result: RunResult, target: Target) -> tuple[list[float], list[float], bool] | None:
     """A run's evaluations as ``(times, values, reached the target)``; None if it recorded none."""
-    from lightning_sync.benchmark.ttt import read_records
-
-    evals = [rec for rec in read_records(result.run_dir / "time_to_target.jsonl") if rec.get("event") == "eval"]
+    evals = [rec for rec in result.records if rec.get("event") == "eval"]
     points = sorted((_number(e.get("wall_s")), _number(e.get("value"))) for e in evals)
     points = [(t, v) for t, v in points if not math.isnan(t)]
     if not points:

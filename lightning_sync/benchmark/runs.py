@@ -310,21 +310,35 @@ class RunResult:
     seconds: float = 0.0
     outcome: Outcome | None = None
     killed: bool = False  #: stopped by ``--run-timeout`` (its recorded evaluations still count)
+    #: a committed report's run, its folder packed (``benchmarks/pack_records.py``): its entry of
+    #: ``records.jsonl.gz`` (``records``, and the folder's other files as text in ``files``); None: read the folder
+    packed: dict[str, Any] | None = None
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The run's ``time_to_target.jsonl`` records, from its folder or its packed entry."""
+        if self.packed is not None:
+            return list(self.packed.get("records", []))
+        return read_records(self.run_dir / "time_to_target.jsonl")
 
     @property
     def history(self) -> list[dict[str, float]]:
         """The run's CSV metrics (``SyncStats``' ``sync/*`` rows, losses), as logged."""
+        if self.packed is not None:
+            text = self.packed.get("files", {}).get("logs/version_0/metrics.csv", "")
+            return _csv_rows(text.splitlines())
         return read_csv_history(self.run_dir / "logs" / "version_0" / "metrics.csv")
+
+
+def _csv_rows(lines: Any) -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(lines)]
 
 
 def read_csv_history(path: Path) -> list[dict[str, float]]:
     if not path.exists():
         return []
-    rows = []
     with path.open() as f:
-        for row in csv.DictReader(f):
-            rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
-    return rows
+        return _csv_rows(f)
 
 
 def run_one(

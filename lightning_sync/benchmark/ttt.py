@@ -75,6 +75,10 @@ class Outcome:
     #: NaN for a run without replica groups
     inter_bytes: float = math.nan
     blocked_s: float = math.nan
+    #: with replica groups: rank 0's seconds blocked inside its replica (``blocked_intra_s``) and between replicas
+    #: (``blocked_inter_s``); NaN for a run without replica groups
+    blocked_intra_s: float = math.nan
+    blocked_inter_s: float = math.nan
     lssr: float = math.nan
     eval_s: float = math.nan
     #: the best value of the metric over the run's evaluations, and how many evaluations there were
@@ -121,6 +125,8 @@ def outcome(records: Sequence[dict[str, Any]], target: float | None = None, mode
         bytes_per_rank=float(comm.get("bytes_sent", math.nan)),
         inter_bytes=float(comm.get("bytes_inter", math.nan)),
         blocked_s=float(comm.get("blocked_s", math.nan)),
+        blocked_intra_s=float(comm.get("blocked_intra_s", math.nan)),
+        blocked_inter_s=float(comm.get("blocked_inter_s", math.nan)),
         lssr=float(comm.get("lssr", math.nan)),
         eval_s=sum(float(r.get("eval_s", 0.0)) for r in eval_upto) if eval_upto else math.nan,
         best=best,
