@@ -508,11 +508,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grid = prepare(args, extra, parser)
     rows = build_rows(args, args.workload, base_lr(grid.config), parser)
     if args.cluster:
-        from lightning_sync.cluster import NamespaceCluster
-
         hosts, procs, rate = parse_cluster(args.cluster, parser)
         grid.procs_per_host = procs
-        grid.cluster = NamespaceCluster(hosts, rate).__enter__()
     where = f"namespace cluster {args.cluster}" if args.cluster else f"{args.devices} processes"
     labels = [r.label for r in rows]
     # what ran, written as the runs finish: a compare stopped before its report (killed, interrupted, an error
@@ -526,6 +523,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         done.append(result)
         report.write_runs(done, grid.out / "runs.csv")
 
+    if args.cluster:
+        from lightning_sync.cluster import NamespaceCluster
+
+        grid.cluster = NamespaceCluster(hosts, rate).__enter__()
     try:
         results = run_grid(grid, groups, rows, on_done)
     finally:
