@@ -18,6 +18,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -404,26 +405,41 @@ def place(grid: Grid, over: dict[str, Any]) -> dict[str, Any]:
     return over
 
 
-def run_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[RunResult]:
+def run_grid(
+    grid: Grid,
+    groups: list[tuple[str, str | None]],
+    rows: list[Row],
+    on_done: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
     """Every (link, seed, row) run (:func:`plan_grid`'s order); a row that cannot run is a failed result, the others
     still run. With :attr:`Grid.workers` the runs go through worker processes started once
-    (:mod:`lightning_sync.benchmark.workers`), else each is its own ``lightning-sync fit``."""
+    (:mod:`lightning_sync.benchmark.workers`), else each is its own ``lightning-sync fit``. ``on_done`` is called
+    with each run's result as soon as it has one."""
     clock_start = time.perf_counter()
     planned = plan_grid(grid, groups, rows)
     if grid.workers and grid.cluster is None:
         return run_in_workers(
-            planned, grid.devices, grid.out, warmup_args(grid, groups), grid.run_timeout, clock_start, grid.shared_gpu
+            planned,
+            grid.devices,
+            grid.out,
+            warmup_args(grid, groups),
+            grid.run_timeout,
+            clock_start,
+            grid.shared_gpu,
+            on_done,
         )
     results: list[RunResult] = []
     for p in planned:
         if not p.args:
             print(f"[compare] {p.progress}: FAILED ({p.result.error})", flush=True)
             results.append(p.result)
-            continue
-        cmd = [sys.executable, "-m", "lightning_sync.cli", *p.args]
-        results.append(
-            run_one(p.result, cmd, p.progress, grid.cluster, grid.run_timeout, clock_start, grid.procs_per_host)
-        )
+        else:
+            cmd = [sys.executable, "-m", "lightning_sync.cli", *p.args]
+            results.append(
+                run_one(p.result, cmd, p.progress, grid.cluster, grid.run_timeout, clock_start, grid.procs_per_host)
+            )
+        if on_done is not None:
+            on_done(results[-1])
     return results
 
 
@@ -492,18 +508,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grid = prepare(args, extra, parser)
     rows = build_rows(args, args.workload, base_lr(grid.config), parser)
     if args.cluster:
-        from lightning_sync.cluster import NamespaceCluster
-
         hosts, procs, rate = parse_cluster(args.cluster, parser)
         grid.procs_per_host = procs
+    where = f"namespace cluster {args.cluster}" if args.cluster else f"{args.devices} processes"
+    labels = [r.label for r in rows]
+    # what ran, written as the runs finish: a compare stopped before its report (killed, interrupted, an error
+    # while rendering) leaves runs.csv and summary.json, which `--merge` re-renders
+    _write_summary(grid.out, command, where, grid.target, labels, groups, tables=None)
+    done: list[RunResult] = []
+
+    def on_done(result: RunResult) -> None:
+        from lightning_sync.benchmark import report
+
+        done.append(result)
+        report.write_runs(done, grid.out / "runs.csv")
+
+    if args.cluster:
+        from lightning_sync.cluster import NamespaceCluster
+
         grid.cluster = NamespaceCluster(hosts, rate).__enter__()
     try:
-        results = run_grid(grid, groups, rows)
+        results = run_grid(grid, groups, rows, on_done)
     finally:
         if grid.cluster is not None:
             grid.cluster.destroy()
-    where = f"namespace cluster {args.cluster}" if args.cluster else f"{args.devices} processes"
-    return write_report(grid.out, groups, [r.label for r in rows], results, grid.target, where, command)
+    return write_report(grid.out, groups, labels, results, grid.target, where, command)
+
+
+def _write_summary(
+    out: Path,
+    command: str,
+    where: str,
+    target: Target,
+    labels: list[str],
+    groups: list[tuple[str, str | None]],
+    tables: dict[str, list[dict[str, Any]]] | None,
+) -> Path:
+    """``out/summary.json``: the command, where it ran, the target, the rows and links; ``tables`` once the report
+    is written (until then ``"complete": false``: the runs so far are in ``runs.csv``)."""
+    summary: dict[str, Any] = {
+        "command": command,
+        "where": where,
+        "target": {"metric": target.metric, "value": target.value, "mode": target.mode},
+        "labels": labels,
+        "groups": [list(g) for g in groups],
+    }
+    if tables is None:
+        summary["complete"] = False
+    else:
+        summary["tables"] = {
+            group: [{k: v for k, v in row.items() if k != "summary"} for row in rows] for group, rows in tables.items()
+        }
+    path = out / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, default=str))
+    return path
 
 
 def write_report(
@@ -520,6 +578,7 @@ def write_report(
     from lightning_sync.comm.link import LinkModel
 
     out.mkdir(parents=True, exist_ok=True)
+    report.write_runs(results, out / "runs.csv")  # first: a table or plot that fails leaves every run listed
     tables: dict[str, list[dict[str, Any]]] = {}
     by_bandwidth: dict[float, dict[str, Any]] = {}
     written: list[Path] = []
@@ -545,23 +604,12 @@ def write_report(
         print(f"\n## lightning-sync compare: {where}, emulated link {group}\n")
         print(text)
         print("\n" + report.legend(target, seeds, rows))
-    report.write_runs(results, out / "runs.csv")
     written.append(out / "runs.csv")
     if by_bandwidth:
         path = out / "time_to_target_vs_bandwidth.png"
         written.append(report.plot_bandwidth(by_bandwidth, target, path, labels=labels))
-    summary = {
-        "command": command,
-        "where": where,
-        "target": {"metric": target.metric, "value": target.value, "mode": target.mode},
-        "labels": labels,
-        "groups": [list(g) for g in groups],
-        "tables": {
-            group: [{k: v for k, v in row.items() if k != "summary"} for row in rows] for group, rows in tables.items()
-        },
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print("\nwritten: " + ", ".join(str(p) for p in written + [out / "summary.json"]))
+    written.append(_write_summary(out, command, where, target, labels, groups, tables))
+    print("\nwritten: " + ", ".join(str(p) for p in written))
     return {"tables": tables, "runs": results, "target": target}
 
 

@@ -340,3 +340,43 @@ def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path
     report.write_runs(results[:2], tmp_path / "flat_runs.csv")
     assert "inter_bytes" not in (tmp_path / "flat_runs.csv").read_text()
     assert "blocked_inter_s" not in (tmp_path / "flat_runs.csv").read_text()
+
+
+def test_runs_are_listed_as_they_finish_so_a_compare_stopped_before_its_report_can_be_merged(tmp_path, monkeypatch):
+    """``summary.json`` (marked incomplete) is written before the first run and ``runs.csv`` after each run, so a
+    compare that stops before its report (here: a plot that fails) leaves what ran, and ``--merge`` renders it."""
+    from lightning_sync import compare
+    from lightning_sync.benchmark import report
+    from lightning_sync.benchmark.runs import finish_run
+
+    out = tmp_path / "out"
+    seen: list[tuple[int, bool]] = []
+
+    def fake_run_one(result, cmd, progress, *args, **kwargs):
+        summary = json.loads((out / "summary.json").read_text())
+        listed = (out / "runs.csv").read_text().splitlines()[1:] if (out / "runs.csv").exists() else []
+        seen.append((len(listed), summary.get("complete", True)))
+        result.run_dir.mkdir(parents=True, exist_ok=True)
+        values = [0.5, 0.95] if result.label == "ddp" else [0.95]
+        records = [{"event": "start", "metric": "val/acc", "target": 0.9, "mode": "max"}]
+        records += [{"event": "eval", "step": 10 * i, "wall_s": float(i), "value": v} for i, v in enumerate(values, 1)]
+        (result.run_dir / "time_to_target.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        finish_run(result, 0, "", None)
+        return result
+
+    def broken_plot(*args, **kwargs):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    monkeypatch.setattr(report, "plot_curves", broken_plot)
+    argv = ["--workload", "digits", "--strategies", "ddp,localsgd", "--seeds", "2", "--no-workers", "--target", "0.9"]
+    with pytest.raises(RuntimeError, match="the plot failed"):
+        compare_main([*argv, "--out", str(out)])
+    assert seen == [(0, False), (1, False), (2, False), (3, False)]  # each run saw the ones before it listed
+    assert len((out / "runs.csv").read_text().splitlines()) == 1 + 4
+    assert json.loads((out / "summary.json").read_text())["complete"] is False
+    monkeypatch.undo()
+    merged = compare_main(["--merge", str(out), "--out", str(tmp_path / "merged")])
+    (rows,) = merged["tables"].values()
+    assert [(row["method"], row["reached"], row["mean_s"]) for row in rows] == [("ddp", 2, 2.0), ("localsgd", 2, 1.0)]
+    assert "tables" in json.loads((tmp_path / "merged" / "summary.json").read_text())

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -136,11 +137,13 @@ def run_in_workers(
     run_timeout: float | None = None,
     clock_start: float | None = None,
     nodes: bool = False,
+    on_done: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     """Run ``planned`` in ``devices`` worker processes started once (again after a failure or a timeout); return
     the results in plan order. ``warmup_args``: the untimed warm-up fit every worker start begins with (``None``:
     none). Prints a progress line per run with the total wall time so far (from ``clock_start``). ``nodes``: each
-    worker a one-device node (``NODE_RANK=r``, ``LOCAL_RANK=0``), as ranks sharing one GPU are laid out."""
+    worker a one-device node (``NODE_RANK=r``, ``LOCAL_RANK=0``), as ranks sharing one GPU are laid out.
+    ``on_done``: called with each run's result as soon as it has one (a run that cannot start too)."""
     from lightning_sync.launch import kill_session
 
     clock_start = time.perf_counter() if clock_start is None else clock_start
@@ -154,10 +157,12 @@ def run_in_workers(
         if not planned[index].args:  # a row that cannot run: reported, the others still run
             p = planned[index]
             print(f"[compare] {p.progress}: FAILED ({p.result.error})", flush=True)
+            if on_done is not None:
+                on_done(p.result)
             index += 1
             continue
         procs = _start_workers(plan_path, index, devices, logs, nodes)
-        index = _follow(procs, planned, index, logs, run_timeout, clock_start)
+        index = _follow(procs, planned, index, logs, run_timeout, clock_start, on_done)
         for proc in procs:
             kill_session(proc)
     return [p.result for p in planned]
@@ -170,8 +175,10 @@ def _follow(
     logs: Path,
     run_timeout: float | None,
     clock_start: float,
+    on_done: Callable[[RunResult], None] | None = None,
 ) -> int:
-    """Read rank 0's lines until the workers end; fill in the results; return the index of the next run to start."""
+    """Read rank 0's lines until the workers end; fill in the results (each passed to ``on_done``); return the index
+    of the next run to start."""
     from lightning_sync.launch import kill_session
 
     current: int | None = None
@@ -213,7 +220,7 @@ def _follow(
                 continue
             log.write(line)
             if line.startswith(_END) and current is not None:
-                _finish(planned[current], time.perf_counter() - began, 0, "", False, run_timeout, clock_start)
+                _finish(planned[current], time.perf_counter() - began, 0, "", False, run_timeout, clock_start, on_done)
                 finished, current = current + 1, None
                 with lock:
                     state["deadline"] = None
@@ -231,7 +238,7 @@ def _follow(
         killed = bool(state["killed"])
         if not error:
             error = _other_rank_error(logs, start) or f"a worker exited with status {procs[0].returncode}"
-        _finish(planned[current], time.perf_counter() - began, 1, error, killed, run_timeout, clock_start)
+        _finish(planned[current], time.perf_counter() - began, 1, error, killed, run_timeout, clock_start, on_done)
         return current + 1
     if finished < len(planned) and any(planned[i].args for i in range(finished, len(planned))):
         # the workers ended before the next run began: their start-up (the warm-up fit, a fit of Lightning's DDP on
@@ -239,9 +246,11 @@ def _follow(
         reason = error or _other_rank_error(logs, start) or f"a worker exited with status {procs[0].returncode}"
         for p in planned[finished:]:
             if p.args:
-                _finish(p, 0.0, 1, f"worker start-up failed: {reason}", False, run_timeout, clock_start)
+                _finish(p, 0.0, 1, f"worker start-up failed: {reason}", False, run_timeout, clock_start, on_done)
             else:
                 print(f"[compare] {p.progress}: FAILED ({p.result.error})", flush=True)
+                if on_done is not None:
+                    on_done(p.result)
     return len(planned)
 
 
@@ -262,6 +271,7 @@ def _finish(
     killed: bool,
     run_timeout: float | None,
     clock_start: float,
+    on_done: Callable[[RunResult], None] | None = None,
 ) -> None:
     result = p.result
     result.seconds = seconds
@@ -269,6 +279,8 @@ def _finish(
     finish_run(result, code, error, run_timeout)
     so_far = time.perf_counter() - clock_start
     print(f"[compare] {p.progress}: {describe(result)}; {seconds:.1f}s in all, {so_far:.0f}s so far", flush=True)
+    if on_done is not None:
+        on_done(result)
 
 
 if __name__ == "__main__":  # a worker: python -m lightning_sync.benchmark.workers PLAN START
