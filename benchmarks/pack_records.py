@@ -42,21 +42,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PACKED = "records.jsonl.gz"
+from lightning_sync.benchmark.ttt import PACKED, read_packed
+
 RECORDS = "time_to_target.jsonl"
 SUMMARY = "summary.json"
 ROOT = Path("docs/benchmarks/time_to_target")
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 _FLAT = re.compile(r"^(?P<method>.+)_seed(?P<seed>\d+)_time_to_target\.jsonl$")
-
-
-def read_packed(folder: str | Path) -> list[dict[str, Any]]:
-    """The runs packed in ``folder/records.jsonl.gz`` (``[]`` if there is none), one dict per run."""
-    path = Path(folder) / PACKED
-    if not path.exists():
-        return []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _records_text(records: list[dict[str, Any]]) -> str:

@@ -620,9 +620,8 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
     whose run folders were packed (``benchmarks/pack_records.py``), from the folder's ``records.jsonl.gz``. The
     targets must agree."""
     import csv as _csv
-    import gzip
 
-    from lightning_sync.benchmark.ttt import outcome, read_records
+    from lightning_sync.benchmark.ttt import PACKED, outcome, read_packed, read_records
 
     groups: list[tuple[str, str | None]] = []
     labels: list[str] = []
@@ -636,10 +635,8 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
         wheres.add(summary.get("where", ""))
         groups += [(g, link) for g, link in summary["groups"] if (g, link) not in groups]
         labels += [label for label in summary["labels"] if label not in labels]
-        packed: dict[str, dict[str, Any]] = {}  # a committed report's runs: {run folder, relative: packed entry}
-        if (folder / "records.jsonl.gz").exists():
-            with gzip.open(folder / "records.jsonl.gz", "rt", encoding="utf-8") as f:
-                packed = {e["run"]: e for e in map(json.loads, f) if "records" in e}
+        # a committed report's runs: {run folder, relative: packed entry}
+        packed = {e["run"]: e for e in read_packed(folder) if "records" in e}
         with (folder / "runs.csv").open() as f:
             for line in _csv.DictReader(f):
                 run_dir = Path(line["run_dir"])
@@ -657,7 +654,7 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
                     raise ValueError(
                         f"--merge: {folder}/runs.csv names a run that completed ({line['method']}, seed "
                         f"{line['seed']}), but its records are neither in {path} nor packed in "
-                        f"{folder / 'records.jsonl.gz'}: merge the folders the runs wrote, or the committed report "
+                        f"{folder / PACKED}: merge the folders the runs wrote, or the committed report "
                         "with its records.jsonl.gz"
                     )
                 else:

@@ -14,6 +14,7 @@ quality target):
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "Summary",
     "lower_is_better",
     "outcome",
+    "read_packed",
     "read_records",
     "speedup",
     "summarize_runs",
@@ -39,6 +41,21 @@ DROP_EXTREMES_FROM = 5
 def lower_is_better(metric: str) -> bool:
     """Loss, perplexity and error decrease; accuracy-like metrics increase."""
     return any(word in metric.lower() for word in ("loss", "ppl", "perplexity", "error"))
+
+
+#: a committed report's run folders, packed into one file (``benchmarks/pack_records.py`` writes it)
+PACKED = "records.jsonl.gz"
+
+
+def read_packed(folder: str | Path) -> list[dict[str, Any]]:
+    """The runs packed in ``folder/records.jsonl.gz`` (``[]`` if there is none), one dict per run: ``run`` (its
+    folder relative to ``folder``), ``records`` (its ``time_to_target.jsonl``), ``summary`` and ``files`` (the run
+    folder's other text files)."""
+    path = Path(folder) / PACKED
+    if not path.exists():
+        return []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
