@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,26 +76,18 @@ def test_bad_arguments():
         NamespaceCluster(hosts=2, rate="fast")
 
 
-def test_compare_runs_multi_node_on_the_cluster(tmp_path):
+def _compare_on_cluster(tmp_path: Path, cluster: str, strategies: str) -> dict:
+    """One seed of ``compare --cluster`` on a tiny fit: 4 steps, a target met at the first evaluation."""
     from lightning_sync.compare import main as compare_main
 
-    result = compare_main(
-        [
-            "--cluster",
-            "2x1gbit",
-            "--strategies",
-            "ddp,bsp",
-            "--seeds",
-            "1",
-            "--target",
-            "0.01",  # met at the first evaluation
-            "--out",
-            str(tmp_path),
-            "--trainer.max_epochs=1",
-            "--trainer.limit_train_batches=4",
-            "--trainer.limit_val_batches=2",
-        ]
+    return compare_main(
+        ["--cluster", cluster, "--strategies", strategies, "--seeds", "1", "--target", "0.01", "--out", str(tmp_path)]
+        + ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2"]
     )
+
+
+def test_compare_runs_multi_node_on_the_cluster(tmp_path):
+    result = _compare_on_cluster(tmp_path, "2x1gbit", "ddp,bsp")
     rows = {row["method"]: row for row in result["tables"]["cluster 2x1gbit"]}
     for name in ("ddp", "bsp"):  # Lightning's DDP runs as it is on the kernel-limited links, like every method
         assert "error" not in rows[name], rows[name]
@@ -113,25 +106,7 @@ def test_compare_runs_hosts_of_several_processes_with_replica_groups(tmp_path):
     host a replica, so only the method's syncs between the hosts' first ranks leave a host (the processes of a host
     share its namespace and loopback). The table shows the bytes a replica sent between replicas beside all it
     sent."""
-    from lightning_sync.compare import main as compare_main
-
-    result = compare_main(
-        [
-            "--cluster",
-            "2x2x1gbit",
-            "--strategies",
-            "localsgd@replica_size=node",
-            "--seeds",
-            "1",
-            "--target",
-            "0.01",  # met at the first evaluation
-            "--out",
-            str(tmp_path),
-            "--trainer.max_epochs=1",
-            "--trainer.limit_train_batches=4",
-            "--trainer.limit_val_batches=2",
-        ]
-    )
+    result = _compare_on_cluster(tmp_path, "2x2x1gbit", "localsgd@replica_size=node")
     (row,) = result["tables"]["cluster 2x2x1gbit"]
     assert row["method"] == "localsgd (replica_size=node)" and "error" not in row, row
     assert row["reached"] == 1 and row["steps"] == 4

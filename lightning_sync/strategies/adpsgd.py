@@ -9,11 +9,9 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 
-from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import ADPSGDController, mean_squared_deviation
 from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
-from lightning_sync.strategies.evaluation import check_evaluate
 
 
 class ADPSGDStrategy(SyncStrategy):
@@ -84,11 +82,7 @@ class ADPSGDStrategy(SyncStrategy):
         check_real("sample_fraction", sample_fraction, 0.0, 1.0, high_open=True)
         # validates p_init, low, high, max_period with the controller's own messages
         ADPSGDController(p_init=p_init, low=low, high=high, max_period=max_period)
-        if not isinstance(average_at_end, bool):
-            raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
-        self.average_at_end = average_at_end
-        self.evaluate = check_evaluate(evaluate)
-        self.outer_config = parse_outer_optimizer(outer_optimizer)
+        self._averaging_options(outer_optimizer, average_at_end, evaluate)
         super().__init__(**kwargs)
         self.p_init = p_init
         self.warmup_epochs = warmup_epochs

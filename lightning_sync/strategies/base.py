@@ -151,8 +151,8 @@ class SyncStrategy(
     must be issued in the same order on all ranks. The hooks that are yours, in the order they run:
 
     * ``__init__``: check your arguments (``ValueError`` naming the argument and its range), set yours, then
-      ``super().__init__(**kwargs)``. Set :attr:`outer_config` (``core.outer.parse_outer_optimizer``) and an
-      ``average_at_end`` attribute if the method takes them.
+      ``super().__init__(**kwargs)``. A parameter-averaging method that takes ``outer_optimizer``,
+      ``average_at_end`` and ``evaluate`` sets all three with :meth:`_averaging_options`.
     * :meth:`_check_supported` (``setup``): reject Trainer settings the method cannot honour (call ``super()`` first).
     * :meth:`_on_flat_ready` (``setup``): the flat state exists and replicas are identical (or restored on resume).
     * Every optimizer step, in :meth:`optimizer_step`: :meth:`_overlap_grads` (with :attr:`bucket_cap_mb` and no

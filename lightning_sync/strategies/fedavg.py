@@ -8,11 +8,9 @@ from typing import Any, Literal
 
 from torch.optim import Optimizer
 
-from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import fedavg_participants, fedavg_sync_positions
 from lightning_sync.core.validation import check_int, check_real
 from lightning_sync.strategies.base import SyncStrategy
-from lightning_sync.strategies.evaluation import check_evaluate
 
 
 class FedAvgStrategy(SyncStrategy):
@@ -73,13 +71,9 @@ class FedAvgStrategy(SyncStrategy):
         **kwargs: Any,
     ) -> None:
         self.fraction = check_real("fraction", fraction, 0.0, 1.0, low_open=True)
-        self.outer_config = parse_outer_optimizer(outer_optimizer)
         self.syncs_per_epoch = check_int("syncs_per_epoch", syncs_per_epoch, 1)
         self.seed = check_int("seed", seed, 0)
-        if not isinstance(average_at_end, bool):
-            raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
-        self.average_at_end = average_at_end
-        self.evaluate = check_evaluate(evaluate)
+        self._averaging_options(outer_optimizer, average_at_end, evaluate)
         super().__init__(**kwargs)
         self.round = 0
         self.last_participants: list[int] = []

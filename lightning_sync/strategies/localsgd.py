@@ -7,11 +7,9 @@ from typing import Any, Literal
 
 from torch.optim import Optimizer
 
-from lightning_sync.core.outer import parse_outer_optimizer
 from lightning_sync.core.periodic import ConstantPeriod
 from lightning_sync.core.validation import check_int
 from lightning_sync.strategies.base import SyncStrategy
-from lightning_sync.strategies.evaluation import check_evaluate
 
 
 class LocalSGDStrategy(SyncStrategy):
@@ -77,11 +75,7 @@ class LocalSGDStrategy(SyncStrategy):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.offset = check_int("offset", offset, 0, self.period - 1)
-        self.outer_config = parse_outer_optimizer(outer_optimizer)
-        if not isinstance(average_at_end, bool):
-            raise ValueError(f"average_at_end must be a bool, got {average_at_end!r}")
-        self.average_at_end = average_at_end
-        self.evaluate = check_evaluate(evaluate)
+        self._averaging_options(outer_optimizer, average_at_end, evaluate)
         super().__init__(**kwargs)
         self.schedule = ConstantPeriod(self.period, self.warmup_steps, self.offset)
         self._step = 0

@@ -11,11 +11,14 @@ rank's checkpoint part.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
 
-from lightning_sync.core.outer import OuterOptimizer, OuterSGD
+from lightning_sync.core.outer import OuterOptimizer, OuterSGD, parse_outer_optimizer
+from lightning_sync.core.validation import check_bool
+from lightning_sync.strategies.evaluation import check_evaluate
 
 
 class OuterAveraging:
@@ -30,6 +33,13 @@ class OuterAveraging:
     #: with :attr:`outer_config`: the global parameters and outer momentum (built when the flat state exists)
     outer: OuterOptimizer | None
     _updates_since_average: int  # optimizer updates since the last parameter averaging (outer step)
+
+    def _averaging_options(self, outer_optimizer: Mapping[str, Any] | None, average_at_end: Any, evaluate: Any) -> None:
+        """In ``__init__``, before ``super().__init__``: validate and set the arguments every parameter-averaging
+        strategy takes alike (local SGD, FedAvg, ADPSGD) — :attr:`outer_config`, ``average_at_end``, ``evaluate``."""
+        self.outer_config = parse_outer_optimizer(outer_optimizer)
+        self.average_at_end = check_bool("average_at_end", average_at_end)
+        self.evaluate = check_evaluate(evaluate)
 
     def _setup_outer(self) -> None:
         """At setup: the global parameters start as the (identical) replicas; a resume then loads the saved ones."""
