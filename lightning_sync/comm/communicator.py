@@ -23,6 +23,7 @@ from lightning_sync.comm.accounting import CommStats, LevelStats
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
 from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, compressed_allreduce_bytes
 from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
+from lightning_sync.comm.forksafe import GATE, start_thread
 from lightning_sync.comm.link import LinkClock, LinkModel
 
 _OPS = {
@@ -78,7 +79,7 @@ class CommHandle:
             return
         start = time.perf_counter()
         if self._work is not None:
-            with failures(self._what, self._ranks):
+            with failures(self._what, self._ranks), GATE.idle():
                 self._work.wait()
         if self._transfer is not None:
             clock, key = self._transfer
@@ -131,12 +132,14 @@ class _Driver:
         self.comm = comm
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         name = f"comm-driver-{comm.backend}-{comm.rank}"
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, name)
 
     def _run(self) -> None:
+        # a job's computation runs inside the fork gate (its waits on handles and link sleeps outside it); its
+        # blocking collectives meet the peers' drivers, which a fork never holds back (lightning_sync.comm.forksafe)
         while (job := self._jobs.get()) is not None:
-            job.run()
+            with GATE.busy():
+                job.run()
 
     def submit(self, fn: Callable[[], None]) -> _Job:
         job = _Job(fn)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.cost import allreduce_bytes, broadcast_bytes
+from lightning_sync.comm.forksafe import GATE, start_thread
 from lightning_sync.comm.link import LinkClock, LinkModel
 
 __all__ = [
@@ -77,50 +78,59 @@ class _Completer:
         self._cond = threading.Condition()
         self._items: list[_Pending] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="lightning-sync-ddp-link", daemon=True)
-        self._thread.start()
+        self._changes = 0  # counts submissions and notifications, so a wait never misses one made just before it
+        self._thread = start_thread(self._run, "lightning-sync-ddp-link")
 
     def submit(self, item: _Pending) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the DDP link emulation was closed (the strategy was torn down)")
             self._items.append(item)
+            self._changes += 1
             self._cond.notify()
 
     def notify(self) -> None:
         with self._cond:
+            self._changes += 1
             self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._changes += 1
             self._cond.notify()
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # the scan and the completions (DDP's callbacks) run inside the fork gate, the wait outside it
+        # (lightning_sync.comm.forksafe)
         while True:
+            with GATE.busy():
+                with self._cond:
+                    if self._closed and not self._items:
+                        return
+                    seen = self._changes
+                    now = time.perf_counter()
+                    due: list[_Pending] = []
+                    wake = None
+                    for item in self._items:
+                        if not item.real.done():
+                            continue
+                        ready = self.clock.completion(item.key, now)
+                        if now >= ready:
+                            due.append(item)
+                        else:
+                            wake = ready if wake is None else min(wake, ready)
+                    for item in due:
+                        self._items.remove(item)
+                for item in due:  # outside the lock: completing runs DDP's callbacks
+                    self.clock.forget(item.key)
+                    item.finish()
+            if due:
+                continue
             with self._cond:
-                if self._closed and not self._items:
-                    return
-                now = time.perf_counter()
-                due: list[tuple[_Pending, float]] = []
-                wake = None
-                for item in self._items:
-                    if not item.real.done():
-                        continue
-                    ready = self.clock.completion(item.key, now)
-                    if now >= ready:
-                        due.append((item, ready))
-                    else:
-                        wake = ready if wake is None else min(wake, ready)
-                for item, _ in due:
-                    self._items.remove(item)
-                if not due:
-                    self._cond.wait(timeout=None if wake is None else max(0.0, wake - now))
-                    continue
-            for item, _ in due:  # outside the lock: completing runs DDP's callbacks
-                self.clock.forget(item.key)
-                item.finish()
+                if self._changes == seen:
+                    self._cond.wait(timeout=None if wake is None else max(0.0, wake - time.perf_counter()))
 
 
 class _Pending:

@@ -8,6 +8,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from lightning_sync.comm.forksafe import GATE
+
 _RATE_UNITS = {
     "bit": 1.0,
     "kbit": 1e3,
@@ -190,7 +192,8 @@ class LinkClock:
             if now >= ready:
                 self.forget(key)
                 return ready
-            time.sleep(ready - now)
+            with GATE.idle():  # a wait: not a busy stretch of the thread (lightning_sync.comm.forksafe)
+                time.sleep(ready - now)
 
     def delay_alone(self, nbytes: int) -> float:
         """What one transfer of ``nbytes`` costs on an idle link (the :class:`LinkModel`'s delay)."""

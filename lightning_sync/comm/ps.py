@@ -71,6 +71,7 @@ from lightning_sync.comm.accounting import CommStats
 from lightning_sync.comm.communicator import Communicator
 from lightning_sync.comm.compression import Compressor, decode, encode
 from lightning_sync.comm.fault import PeerGone, failures, is_comm_failure, peer_failure, wait_at_exit
+from lightning_sync.comm.forksafe import GATE, start_thread
 from lightning_sync.comm.link import LinkClock, LinkModel
 from lightning_sync.comm.ps_protocol import (
     ACK,
@@ -180,17 +181,16 @@ class ParameterServer:
         self._error: BaseException | None = None
         self._error_thread = ""
         self._closed = False
+        # started for this fit, joined at its end (close); their work runs inside the fork gate, their waits
+        # outside it (lightning_sync.comm.forksafe): a DataLoader forking its workers meanwhile copies no lock of theirs
         self._threads = [
-            threading.Thread(target=self._guard(self._serve), name=f"ps-server-{self.rank}", daemon=True),
-            threading.Thread(target=self._guard(self._send_replies), name=f"ps-sender-{self.rank}", daemon=True),
-            threading.Thread(target=self._guard(self._receive_mail), name=f"ps-mailbox-{self.rank}", daemon=True),
+            start_thread(self._guard(self._serve), f"ps-server-{self.rank}"),
+            start_thread(self._guard(self._send_replies), f"ps-sender-{self.rank}"),
+            start_thread(self._guard(self._receive_mail), f"ps-mailbox-{self.rank}"),
         ]
         self._threads += [
-            threading.Thread(target=self._guard(self._watch, peer), name=f"ps-watch-{self.rank}-{peer}", daemon=True)
-            for peer in self.peers
+            start_thread(self._guard(self._watch, peer), f"ps-watch-{self.rank}-{peer}") for peer in self.peers
         ]
-        for t in self._threads:
-            t.start()
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes of a parameter payload of ``numel`` elements on the wire (compressed when compressing)."""
@@ -204,26 +204,29 @@ class ParameterServer:
             try:
                 fn(*args)
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
-                if not self._closed and self._error is None:
-                    self._error = err
-                    self._error_thread = threading.current_thread().name
-                with self._mail:
-                    self._mail.notify_all()
+                with GATE.busy():
+                    if not self._closed and self._error is None:
+                        self._error = err
+                        self._error_thread = threading.current_thread().name
+                    with self._mail:
+                        self._mail.notify_all()
 
         return run
 
     def _watch(self, peer: int) -> None:
         """Wait for ``peer``'s goodbye; gloo fails the receive when the peer's connection closes first."""
-        buf = torch.zeros(1, dtype=torch.uint8)
-        work = dist.irecv(buf, src=peer, group=self.push_group, tag=WATCH_TAG)
-        try:
-            work.wait()
-        except RuntimeError as err:
-            if is_comm_failure(err):
-                raise PeerGone(f"the connection to rank {peer} closed or failed: {err}") from err
-            raise
-        if int(buf.item()) == BYE_STOP:
-            raise PeerGone(f"rank {peer} stopped: its run failed")
+        with GATE.busy():
+            buf = torch.zeros(1, dtype=torch.uint8)
+            work = dist.irecv(buf, src=peer, group=self.push_group, tag=WATCH_TAG)
+            try:
+                with GATE.idle():
+                    work.wait()
+            except RuntimeError as err:
+                if is_comm_failure(err):
+                    raise PeerGone(f"the connection to rank {peer} closed or failed: {err}") from err
+                raise
+            if int(buf.item()) == BYE_STOP:
+                raise PeerGone(f"rank {peer} stopped: its run failed")
 
     def _delay(self, nbytes: int) -> None:
         """Hold a received message until its transfer on this rank's incoming link completes."""
@@ -231,36 +234,38 @@ class ParameterServer:
             self.incoming.sleep_until_complete(self.incoming.start(nbytes, time.perf_counter()))
 
     def _serve(self) -> None:
-        numel = self.plan.numel(self.rank)
-        size = HEADER_BYTES + self.payload_bytes(numel)
-        buf = torch.empty(max(size, HEADER_BYTES), dtype=torch.uint8)
-        if self.compressor is None:
-            payload = buf[HEADER_BYTES:size].view(self.dtype)
-        else:
-            payload = torch.empty(numel, dtype=self.dtype)  # the decoded delta
-        while self._stops < len(self.peers):
-            work = dist.irecv(buf, src=None, group=self.push_group)
-            work.wait()
-            src = work.source_rank()
-            kind, epoch, flag, _ = read_header(buf)
-            self._delay(size if kind == PUSH else HEADER_BYTES)
-            if kind == PUSH:
-                if self.compressor is not None:
-                    decode(self.compressor.fmt, buf[HEADER_BYTES:size], payload)
-                with self._server_lock:
-                    replies = self.server.push(src, payload, epoch, want_reply=bool(flag))
-                    self._dispatch(replies)
-            elif kind == DONE:
-                with self._server_lock:
-                    self._dispatch(self.server.finish_epoch(src, epoch))
-            elif kind == FLUSH:
-                self._outbox.put((src, ACK, None, None))
-            elif kind == STOP:
-                self._stops += 1
-                self._outbox.put((src, CLOSE, None, None))
+        with GATE.busy():
+            numel = self.plan.numel(self.rank)
+            size = HEADER_BYTES + self.payload_bytes(numel)
+            buf = torch.empty(max(size, HEADER_BYTES), dtype=torch.uint8)
+            if self.compressor is None:
+                payload = buf[HEADER_BYTES:size].view(self.dtype)
             else:
-                raise RuntimeError(f"parameter server on rank {self.rank}: unknown message kind {kind} from {src}")
-        self._outbox.put(None)
+                payload = torch.empty(numel, dtype=self.dtype)  # the decoded delta
+            while self._stops < len(self.peers):
+                work = dist.irecv(buf, src=None, group=self.push_group)
+                with GATE.idle():
+                    work.wait()
+                src = work.source_rank()
+                kind, epoch, flag, _ = read_header(buf)
+                self._delay(size if kind == PUSH else HEADER_BYTES)
+                if kind == PUSH:
+                    if self.compressor is not None:
+                        decode(self.compressor.fmt, buf[HEADER_BYTES:size], payload)
+                    with self._server_lock:
+                        replies = self.server.push(src, payload, epoch, want_reply=bool(flag))
+                        self._dispatch(replies)
+                elif kind == DONE:
+                    with self._server_lock:
+                        self._dispatch(self.server.finish_epoch(src, epoch))
+                elif kind == FLUSH:
+                    self._outbox.put((src, ACK, None, None))
+                elif kind == STOP:
+                    self._stops += 1
+                    self._outbox.put((src, CLOSE, None, None))
+                else:
+                    raise RuntimeError(f"parameter server on rank {self.rank}: unknown message kind {kind} from {src}")
+            self._outbox.put(None)
 
     def _dispatch(self, replies: list[Reply]) -> None:
         """Called with the server lock held: hand each reply a snapshot of the global parameters."""
@@ -273,57 +278,63 @@ class ParameterServer:
                 self._outbox.put((reply.worker, PARAMS, self.server.view(), reply.alpha))
 
     def _send_replies(self) -> None:
-        numel = self.plan.numel(self.rank)
-        buf = torch.empty(HEADER_BYTES + self.payload_bytes(numel), dtype=torch.uint8)
-        payload = buf[HEADER_BYTES:].view(self.dtype) if self.compressor is None else buf[HEADER_BYTES:]
-        scratch = torch.empty(numel if self.compressor is not None else 0, dtype=self.dtype)  # int8's encoding
-        while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            worker, kind, params, alpha = item
-            write_header(buf, kind, alpha=alpha)
-            if kind == PARAMS:
-                assert params is not None
-                if self.compressor is None:
-                    payload.copy_(params)
+        with GATE.busy():
+            numel = self.plan.numel(self.rank)
+            buf = torch.empty(HEADER_BYTES + self.payload_bytes(numel), dtype=torch.uint8)
+            payload = buf[HEADER_BYTES:].view(self.dtype) if self.compressor is None else buf[HEADER_BYTES:]
+            scratch = torch.empty(numel if self.compressor is not None else 0, dtype=self.dtype)  # int8's encoding
+            while True:
+                with GATE.idle():
+                    item = self._outbox.get()
+                if item is None:
+                    return
+                worker, kind, params, alpha = item
+                write_header(buf, kind, alpha=alpha)
+                if kind == PARAMS:
+                    assert params is not None
+                    if self.compressor is None:
+                        payload.copy_(params)
+                    else:
+                        encode(self.compressor.fmt, params, payload, scratch=scratch, what="the pulled parameters")
+                    msg, tag = buf, "pull"
                 else:
-                    encode(self.compressor.fmt, params, payload, scratch=scratch, what="the pulled parameters")
-                msg, tag = buf, "pull"
-            else:
-                msg, tag = buf[:HEADER_BYTES], "ps_control"
-            self.stats.record_launch(tag, msg.numel(), blocking=False)
-            dist.send(msg, dst=worker, group=self.pull_group)
+                    msg, tag = buf[:HEADER_BYTES], "ps_control"
+                self.stats.record_launch(tag, msg.numel(), blocking=False)
+                work = dist.isend(msg, dst=worker, group=self.pull_group)
+                with GATE.idle():
+                    work.wait()
 
     def _receive_mail(self) -> None:
-        largest = max([self.payload_bytes(self.plan.numel(s)) for s in self.remote_servers], default=0)
-        buf = torch.empty(HEADER_BYTES + largest, dtype=torch.uint8)
-        while self._closes < len(self.peers):
-            work = dist.irecv(buf, src=None, group=self.pull_group)
-            work.wait()
-            src = work.source_rank()
-            kind, _, _, alpha = read_header(buf)
-            if kind == PARAMS:
-                numel = self.plan.numel(src)
-                nbytes = self.payload_bytes(numel)
-                self._delay(HEADER_BYTES + nbytes)
+        with GATE.busy():
+            largest = max([self.payload_bytes(self.plan.numel(s)) for s in self.remote_servers], default=0)
+            buf = torch.empty(HEADER_BYTES + largest, dtype=torch.uint8)
+            while self._closes < len(self.peers):
+                work = dist.irecv(buf, src=None, group=self.pull_group)
+                with GATE.idle():
+                    work.wait()
+                src = work.source_rank()
+                kind, _, _, alpha = read_header(buf)
+                if kind == PARAMS:
+                    numel = self.plan.numel(src)
+                    nbytes = self.payload_bytes(numel)
+                    self._delay(HEADER_BYTES + nbytes)
+                    with self._mail:
+                        payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes]
+                        if self.compressor is None:
+                            self._inbox[src].copy_(payload.view(self.dtype))
+                        else:
+                            decode(self.compressor.fmt, payload, self._inbox[src])
+                        self._deliver(src, alpha)
+                    continue
+                self._delay(HEADER_BYTES)
                 with self._mail:
-                    payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes]
-                    if self.compressor is None:
-                        self._inbox[src].copy_(payload.view(self.dtype))
+                    if kind == ACK:
+                        self._acks += 1
+                    elif kind == CLOSE:
+                        self._closes += 1
                     else:
-                        decode(self.compressor.fmt, payload, self._inbox[src])
-                    self._deliver(src, alpha)
-                continue
-            self._delay(HEADER_BYTES)
-            with self._mail:
-                if kind == ACK:
-                    self._acks += 1
-                elif kind == CLOSE:
-                    self._closes += 1
-                else:
-                    raise RuntimeError(f"worker on rank {self.rank}: unknown message kind {kind} from {src}")
-                self._mail.notify_all()
+                        raise RuntimeError(f"worker on rank {self.rank}: unknown message kind {kind} from {src}")
+                    self._mail.notify_all()
 
     def _deliver(self, server: int, alpha: float | None) -> None:
         """With ``_mail`` held: the inbox of ``server`` holds new global parameters."""
