@@ -182,9 +182,12 @@ class ParameterServerStrategy(SyncStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.cluster_environment is not None
-        self._work = WorkCounter(
-            self.comm, self.cluster_environment.main_address, self.comm_stats, timeout=self._wait_timeout
-        )
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn == TrainerFn.FITTING:
+            # only for a fit, closed at its end: its store (and the store's thread on rank 0) lives no longer
+            self._work = WorkCounter(
+                self.comm, self.cluster_environment.main_address, self.comm_stats, timeout=self._wait_timeout
+            )
 
     def _on_flat_ready(self) -> None:
         tensors = self.flat.state_tensors()
@@ -319,7 +322,13 @@ class ParameterServerStrategy(SyncStrategy):
                 "pull_log": list(self._ps.server.pull_log),
                 "batches_claimed": dict(self._work.claims) if self._work is not None else {},
             }
+        self._close_work()
         super().on_train_end()
+
+    def _close_work(self) -> None:
+        """The work counter's store (and its thread on rank 0) ends with the fit; the claims stay readable."""
+        if self._work is not None:
+            self._work.close()
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # the failure report first: the peers read it when this rank's goodbye arrives

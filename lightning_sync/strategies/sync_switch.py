@@ -516,6 +516,7 @@ class SyncSwitchStrategy(ASPStrategy):
         # BSP at the end: the replicas are the model; close the servers without taking their (stale) parameters
         self._ps.close(self.comm)
         self.server_summary = {"pushes": self._ps.pushes, "switches": list(self.switches)}
+        self._close_work()
         super(ParameterServerStrategy, self).on_train_end()
 
     def _main_file_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
