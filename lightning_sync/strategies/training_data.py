@@ -9,10 +9,13 @@ each batch (:class:`~lightning_sync.strategies.injection.DataInjector`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.trainer.states import RunningStage
 
+from lightning_sync.data.waits import bound_worker_waits
 from lightning_sync.strategies.injection import DataInjector
 
 if TYPE_CHECKING:
@@ -27,6 +30,7 @@ class TrainingData:
     ``_dataloader_transforms``."""
 
     injector: DataInjector | None
+    _timeout: timedelta | None
     _dataloader_transforms: list[DataLoaderTransform]
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -42,6 +46,9 @@ class TrainingData:
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        # every loader (train, val, test, predict): a worker that never delivers stops this rank within the
+        # collectives' timeout instead of hanging it (lightning_sync.data.waits)
+        bound_worker_waits(dataloader, self._timeout if self._timeout is not None else default_pg_timeout)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             for transform in self._dataloader_transforms:
