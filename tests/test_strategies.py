@@ -83,22 +83,27 @@ def _suite(rank: int, out_dir: str) -> None:
         torch.save(_params(model), out / f"{name}_rank{rank}.pt")
         return trainer, model
 
-    # 1. equivalence with Lightning's ddp: our BSP, SelSync delta=0 (parameter and gradient aggregation), with and
-    #    without gradient accumulation (the hooks act once per optimizer step on the accumulated gradient). Equal in
-    #    exact arithmetic, not in float32 rounding, so checked in float64 against a bound (tests/tolerance.py).
+    # 1. equivalence with Lightning's ddp: our BSP, SelSync delta=0 (parameter aggregation with either vote order,
+    #    gradient aggregation), with and without gradient accumulation (the hooks act once per optimizer step on the
+    #    accumulated gradient). Each special case on its default path: only the argument that defines it (delta=0).
+    #    Equal in exact arithmetic, not in float32 rounding, so checked in float64 against a bound
+    #    (tests/tolerance.py).
     f64 = {"precision": "64-true"}
     fit("ddp", DDPStrategy(), **f64)
     fit("bsp64", BSPStrategy(verify_sync=True), **f64)
-    fit("sel0", SelSyncStrategy(delta=0.0, vote="exact", verify_sync=True), **f64)
+    tr, _ = fit("sel0", SelSyncStrategy(delta=0.0), **f64)
+    res["sel0_f64"] = tr.strategy.sync_metrics()
+    res["sel0_vote"] = tr.strategy.vote
+    fit("sel0_exact", SelSyncStrategy(delta=0.0, vote="exact"), **f64)
     fit("sel0ga", SelSyncStrategy(delta=0.0, aggregation="gradients"), **f64)
     fit("ddp_acc", DDPStrategy(), accumulate_grad_batches=2, **f64)
     fit("bsp_acc", BSPStrategy(), accumulate_grad_batches=2, **f64)
-    tr, _ = fit("sel0_acc", SelSyncStrategy(delta=0.0, vote="exact"), accumulate_grad_batches=2, **f64)
+    tr, _ = fit("sel0_acc", SelSyncStrategy(delta=0.0), accumulate_grad_batches=2, **f64)
     res["sel0_acc"] = tr.strategy.sync_metrics()
     # float32: what is bit-exact (replicas identical after every sync) and the accounting
     tr, _ = fit("bsp", BSPStrategy(verify_sync=True))
     res["bsp"] = tr.strategy.sync_metrics()
-    tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, vote="exact", verify_sync=True))
+    tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, verify_sync=True))
     res["sel0"] = tr.strategy.sync_metrics()
 
     # 2. a delta above every Delta: purely local, only votes travel
@@ -190,18 +195,27 @@ def test_bsp_matches_lightning_ddp(suite):
     assert res[0]["bsp"]["lssr"] == 0.0 and res[0]["bsp"]["sync_steps"] == K
 
 
-def test_selsync_delta_zero_is_bsp(suite):
+def test_selsync_delta_zero_at_its_defaults_is_lightning_ddp(suite):
+    """δ = 0 is BSP (Alg. 1: every Δ >= 0): on the default path (vote="overlapped") and in Alg. 1's order, with
+    parameter aggregation (averaging after the update: equal in exact arithmetic for SGD with momentum and weight
+    decay) and with gradient aggregation; every step synced, the first included."""
     res, params = suite
-    assert_equal_in_exact_arithmetic(params("sel0"), params("bsp64"), K, "SelSync delta=0 (parameters) vs BSP")
-    assert_equal_in_exact_arithmetic(params("sel0ga"), params("bsp64"), K, "SelSync delta=0 (gradients) vs BSP")
-    assert res[0]["sel0"]["sync_steps"] == K and res[0]["sel0"]["lssr"] == 0.0
+    assert res[0]["sel0_vote"] == "overlapped"  # the default order, and delta=0 is the only argument
+    for rank in range(WORLD):
+        ddp = params("ddp", rank)
+        assert_equal_in_exact_arithmetic(params("sel0", rank), ddp, K, "SelSync(delta=0) at its defaults vs DDP")
+        assert_equal_in_exact_arithmetic(params("sel0_exact", rank), ddp, K, "SelSync(delta=0, vote='exact') vs DDP")
+        assert_equal_in_exact_arithmetic(params("sel0ga", rank), ddp, K, "SelSync(delta=0, gradients) vs DDP")
+    for r in res:
+        for name in ("sel0", "sel0_f64"):
+            assert r[name]["sync_steps"] == K and r[name]["local_steps"] == 0 and r[name]["lssr"] == 0.0
 
 
 def test_gradient_accumulation_matches_lightning_ddp(suite):
     res, params = suite
     assert_equal_in_exact_arithmetic(params("bsp_acc"), params("ddp_acc"), K, "BSP vs DDP, accumulation 2")
     # parameter averaging after the update vs gradient averaging before it
-    assert_equal_in_exact_arithmetic(params("sel0_acc"), params("bsp_acc"), K, "SelSync delta=0 vs BSP, accumulation")
+    assert_equal_in_exact_arithmetic(params("sel0_acc"), params("ddp_acc"), K, "SelSync delta=0 vs DDP, accumulation")
     assert _max_diff(params("bsp_acc"), params("bsp64")) > 1e-4  # accumulation really changed the trajectory
     assert res[0]["sel0_acc"]["sync_steps"] == K  # K optimizer steps over 2K micro-batches
 
