@@ -41,17 +41,11 @@ def _suite(rank: int, out_dir: str) -> None:
     out = Path(out_dir)
     res: dict = {}
 
-    class LocalSGDAfterEveryH(LocalSGDStrategy):
-        """The reference: local SGD through the periodic strategies' averaging path (``average_state``, with or
-        without an outer optimizer), averaging after every ``period`` local steps (steps H-1, 2H-1, ...: DiLoCo's
-        schedule; LocalSGDStrategy itself follows CPSGD and averages after step 0 too)."""
-
-        def _after_update(self, optimizer):
-            synced = (self._step + 1) % self.period == 0
-            self._step += 1
-            if synced:
-                self.average_state(tag="params")
-            self.step_counter.record(synced)
+    def local_sgd_after_every_h(**kw):
+        """The reference: local SGD itself (``LocalSGDStrategy``), averaging after every ``H`` local steps (steps
+        H-1, 2H-1, ...: DiLoCo's schedule; ``offset=H-1``, as torchft's LocalSGD — by default it follows CPSGD and
+        averages after step 0 too)."""
+        return LocalSGDStrategy(period=H, offset=H - 1, **kw)
 
     def fit(name, strategy, max_steps=K, callbacks=(), model_class=DigitsCNN, **kw):
         pl.seed_everything(0)
@@ -71,11 +65,11 @@ def _suite(rank: int, out_dir: str) -> None:
 
     f64 = {"precision": "64-true"}
     # 1. outer lr 1 without momentum is plain averaging: DiLoCo equals local SGD averaging at the same steps
-    fit("localsgd_after_h", LocalSGDAfterEveryH(period=H), **f64)
+    fit("localsgd_after_h", local_sgd_after_every_h(), **f64)
     tr = fit("diloco_lr1", DiLoCoStrategy(sync_every=H, outer_optimizer=LR1, verify_sync=True), **f64)
     res["diloco_lr1"] = {"syncs": tr.strategy.step_counter.sync_steps, "final_ops": tr.strategy.comm_stats.ops["final"]}
     # 2. K = 1, delay 0 is plain DiLoCo: the periodic strategies' averaging path with the paper's outer optimizer
-    fit("plain_diloco", LocalSGDAfterEveryH(period=H, outer_optimizer=NESTEROV), **f64)
+    fit("plain_diloco", local_sgd_after_every_h(outer_optimizer=NESTEROV), **f64)
     tr = fit(
         "diloco", DiLoCoStrategy(sync_every=H, outer_optimizer=NESTEROV, fragments=1, delay=0, verify_sync=True), **f64
     )
@@ -83,7 +77,7 @@ def _suite(rank: int, out_dir: str) -> None:
     # 2b. compressed plain DiLoCo (bf16 changes since the last global model, int8 with error feedback) is the
     #     periodic strategies' compressed averaging path with the same outer optimizer; bytes are the wire's
     for codec in ("bf16", "int8"):
-        ref = LocalSGDAfterEveryH(period=H, outer_optimizer=NESTEROV, compression=codec)
+        ref = local_sgd_after_every_h(outer_optimizer=NESTEROV, compression=codec)
         fit(f"plain_diloco_{codec}", ref, **f64)
         tr = fit(
             f"diloco_{codec}",

@@ -2,10 +2,14 @@
 
 Two CPU processes (torchrun-style, ``tests/launch.py``), several fits in them:
 
-* **Which step syncs**: with δ = 0 every vote asks for a sync. Exact: every step syncs (BSP's trajectory). Overlapped:
-  step k's vote decides after step k+1's update, so the first step is local and every later step syncs; replicas
-  identical after every sync (``verify_sync``). (Resume with a vote in flight: ``tests/test_resume.py``.) Validation
-  during fit reads the vote in flight and takes the sync it asks for before validating.
+* **Which step syncs**: during ``delta="auto"``'s warm-up (δ = 0 from the calibrator, the votes still needed: they
+  carry every rank's Δ) every vote asks for a sync. Exact: every step syncs. Overlapped: step k's vote decides after
+  step k+1's update, so the first step is local and every later step syncs; replicas identical after every sync
+  (``verify_sync``). (Resume with a vote in flight: ``tests/test_resume.py``.) Validation during fit reads the vote in
+  flight and takes the sync it asks for before validating.
+* **Known outcome**: a fixed δ = 0 syncs every step at once in either order (BSP; equal to Lightning's DDP:
+  ``tests/test_strategies.py``), the vote still cast every step (it carries the SIGTERM flags); a checkpoint of it,
+  taken with a vote in flight, loads and resumes to the uninterrupted run bit for bit.
 * **Off the critical path**: an emulated link of 40 ms latency and a step of ≥ 120 ms of compute (a sleep in the
   model). Exact: every step waits for its vote's round trip (blocked ≥ the latency less the optimizer step the wait
   overlaps, per step: a lower bound by construction, given an update of under 10 ms). Overlapped: the round trip
@@ -32,6 +36,10 @@ WORLD = 2
 LATENCY_S = 0.04
 COMPUTE_S = 0.12
 STEPS = 8
+#: delta="auto" during its warm-up: the calibrator's threshold is 0 for the whole run, so every vote asks for a sync,
+#: but the vote is still needed (it carries every rank's Δ): the order of the votes shows
+WARM_UP = {"delta": "auto", "calibration_warmup": STEPS}
+RESUME_AT = 4
 
 
 def test_defaults_and_the_refusal():
@@ -65,14 +73,15 @@ def _suite(rank: int, out_dir: str) -> None:
             self.synced.append(trainer.strategy.step_counter.sync_steps > sum(self.synced))
 
     res: dict[str, Any] = {}
+    out = Path(out_dir)
     # validation after every step (one batch): the overlapped vote in flight is read there and its sync taken before
-    # validation, so every step syncs (delta=0) and validation never averages for evaluation
+    # validation, so every step syncs (every vote asks, WARM_UP) and validation never averages for evaluation
     steps = Steps()
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=SelSyncStrategy(delta=0.0, vote="overlapped", verify_sync=True),
+        strategy=SelSyncStrategy(**WARM_UP, vote="overlapped", verify_sync=True),
         max_steps=STEPS,
         val_check_interval=1,
         limit_val_batches=1,
@@ -83,19 +92,25 @@ def _suite(rank: int, out_dir: str) -> None:
     metrics = trainer.strategy.sync_metrics()
     res["validated/synced"] = [trainer.strategy.step_counter.sync_steps, trainer.strategy.step_counter.local_steps]
     res["validated/bytes"] = [metrics.get("bytes_eval", 0.0), metrics.get("bytes_params", 0.0)]
-    for vote in ("exact", "overlapped"):
-        # which steps sync: delta=0 asks for a sync at every vote
-        steps = Steps()
+
+    def fit(strategy, callbacks=(), ckpt_path=None, **kw):
         pl.seed_everything(0)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD,
-            strategy=SelSyncStrategy(delta=0.0, vote=vote, verify_sync=True),
+            strategy=strategy,
             max_steps=STEPS,
-            callbacks=[steps],
-            **quiet_trainer_kwargs(limit_val_batches=0),
+            callbacks=list(callbacks),
+            **quiet_trainer_kwargs(limit_val_batches=0, **kw),
         )
-        trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+        model = DigitsCNN()
+        trainer.fit(model, DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+        return trainer, model
+
+    for vote in ("exact", "overlapped"):
+        # which steps sync: every vote asks for a sync (WARM_UP), read in either order
+        steps = Steps()
+        trainer, _ = fit(SelSyncStrategy(**WARM_UP, vote=vote, verify_sync=True), [steps])
         res[f"{vote}/synced"] = steps.synced
         res[f"{vote}/vote_ops"] = trainer.strategy.comm_stats.ops["vote"]
         # the round trip: delta=inf, no step syncs; only the votes travel, under 40 ms of latency
@@ -111,7 +126,29 @@ def _suite(rank: int, out_dir: str) -> None:
         trainer.fit(Slow(), DigitsDataModule(batch_size=32))
         res[f"{vote}/vote_blocked_s"] = strategy.comm_stats.blocked_seconds["vote"]
         res[f"{vote}/sync_steps"] = strategy.step_counter.sync_steps
-    (Path(out_dir) / f"res_rank{rank}.json").write_text(json.dumps(res))
+
+    # a fixed delta=0 (the outcome known before the vote) at its defaults: every step syncs at once; a checkpoint
+    # after step RESUME_AT (the vote of that step in flight) resumes to the uninterrupted run
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def params(model):
+        return [t.detach().clone() for t in model.state_dict().values()]
+
+    steps = Steps()
+    ckpt = ModelCheckpoint(dirpath=out / "delta0", every_n_train_steps=RESUME_AT, save_top_k=-1, filename="{step}")
+    trainer, model = fit(SelSyncStrategy(delta=0.0, verify_sync=True), [steps, ckpt], enable_checkpointing=True)
+    res["delta0/synced"] = steps.synced
+    res["delta0/vote_ops"] = trainer.strategy.comm_stats.ops["vote"]
+    res["delta0/voters"] = trainer.strategy.last_voters
+    uninterrupted = params(model)
+    state = torch.load(out / "delta0" / f"step={RESUME_AT}.ckpt.rank{rank}", weights_only=False)["strategy_state"]
+    res["delta0/saved_in_flight"] = state["vote_in_flight"] is not None
+    steps = Steps()
+    steps.synced = [True] * RESUME_AT  # (the steps before the checkpoint, for the counter's comparison)
+    trainer, model = fit(SelSyncStrategy(delta=0.0), [steps], ckpt_path=str(out / "delta0" / f"step={RESUME_AT}.ckpt"))
+    res["delta0/resumed_synced"] = steps.synced
+    res["delta0/resumed_equal"] = all(torch.equal(a, b) for a, b in zip(params(model), uninterrupted, strict=True))
+    (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +158,23 @@ def suite(tmp_path_factory):
 
 def test_exact_syncs_the_step_that_voted_overlapped_the_next_one(suite):
     for r in suite:
-        assert r["exact/synced"] == [True] * STEPS  # delta=0: BSP's steps
+        assert r["exact/synced"] == [True] * STEPS  # every vote asks: BSP's steps
         assert r["overlapped/synced"] == [False] + [True] * (STEPS - 1)  # step 1's vote decides after step 2
         assert r["exact/vote_ops"] == r["overlapped/vote_ops"] == STEPS  # one vote a step, in both
+
+
+def test_a_fixed_delta_zero_syncs_every_step_at_once_in_the_default_order(suite):
+    for r in suite:
+        assert r["delta0/synced"] == [True] * STEPS  # the first step too: nothing waits for a vote
+        assert r["delta0/vote_ops"] == STEPS  # the vote still carries the SIGTERM flags (and Δ) every step
+        assert r["delta0/voters"] == WORLD  # and every rank voted for the sync it had already taken
+
+
+def test_a_delta_zero_checkpoint_with_a_vote_in_flight_resumes_to_the_uninterrupted_run(suite):
+    for r in suite:
+        assert r["delta0/saved_in_flight"]  # the default order: the step's vote was still in flight
+        assert r["delta0/resumed_synced"] == [True] * STEPS
+        assert r["delta0/resumed_equal"]  # parameters and buffers bit for bit
 
 
 def test_validation_reads_the_vote_in_flight_and_takes_its_sync_first(suite):

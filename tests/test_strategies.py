@@ -7,6 +7,7 @@ Lightning spawn launcher (``Trainer(strategy="selsync")`` by name) and the CLI a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from datetime import timedelta
@@ -49,10 +50,17 @@ def _suite(rank: int, out_dir: str) -> None:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_sync import BSPStrategy, SelSyncStrategy
+    from lightning_sync import (
+        ADPSGDStrategy,
+        BSPStrategy,
+        FedAvgStrategy,
+        LocalSGDStrategy,
+        SelSyncStrategy,
+        SyncSwitchStrategy,
+    )
     from lightning_sync.callbacks import SelDP, SyncStats
     from lightning_sync.data import DigitsDataModule, SelDPSampler
-    from lightning_sync.models import DigitsCNN
+    from lightning_sync.models import DigitsCNN, WideMLP
 
     out = Path(out_dir)
     res: dict = {}
@@ -75,30 +83,50 @@ def _suite(rank: int, out_dir: str) -> None:
             self._last_sync = trainer.strategy.step_counter.sync_steps
             self.rows.append([bool(synced), all(torch.equal(g, gathered[0]) for g in gathered)])
 
-    def fit(name, strategy, max_steps=K, callbacks=(), dm=None, model=None, ckpt_path=None, **kw):
+    def fit(name, strategy, max_steps=K, callbacks=(), dm=None, model=DigitsCNN, ckpt_path=None, **kw):
         pl.seed_everything(0)
-        model = model or DigitsCNN(lr=0.05, momentum=0.9, weight_decay=1e-4)
+        model = model(lr=0.05, momentum=0.9, weight_decay=1e-4)
         trainer = _trainer(strategy, max_steps, callbacks, **kw)
         trainer.fit(model, dm or DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
         torch.save(_params(model), out / f"{name}_rank{rank}.pt")
         return trainer, model
 
-    # 1. equivalence with Lightning's ddp: our BSP, SelSync delta=0 (parameter and gradient aggregation), with and
-    #    without gradient accumulation (the hooks act once per optimizer step on the accumulated gradient). Equal in
-    #    exact arithmetic, not in float32 rounding, so checked in float64 against a bound (tests/tolerance.py).
+    # 1. equivalence with Lightning's ddp: our BSP, SelSync delta=0 (parameter aggregation with either vote order,
+    #    gradient aggregation), with and without gradient accumulation (the hooks act once per optimizer step on the
+    #    accumulated gradient). Each special case on its default path: only the argument that defines it (delta=0).
+    #    Equal in exact arithmetic, not in float32 rounding, so checked in float64 against a bound
+    #    (tests/tolerance.py).
     f64 = {"precision": "64-true"}
-    fit("ddp", DDPStrategy(), **f64)
+    tr, _ = fit("ddp", DDPStrategy(), **f64)
+    steps_per_epoch = tr.num_training_batches
     fit("bsp64", BSPStrategy(verify_sync=True), **f64)
-    fit("sel0", SelSyncStrategy(delta=0.0, vote="exact", verify_sync=True), **f64)
+    tr, _ = fit("sel0", SelSyncStrategy(delta=0.0), **f64)
+    res["sel0_f64"] = tr.strategy.sync_metrics()
+    res["sel0_vote"] = tr.strategy.vote
+    fit("sel0_exact", SelSyncStrategy(delta=0.0, vote="exact"), **f64)
     fit("sel0ga", SelSyncStrategy(delta=0.0, aggregation="gradients"), **f64)
     fit("ddp_acc", DDPStrategy(), accumulate_grad_batches=2, **f64)
     fit("bsp_acc", BSPStrategy(), accumulate_grad_batches=2, **f64)
-    tr, _ = fit("sel0_acc", SelSyncStrategy(delta=0.0, vote="exact"), accumulate_grad_batches=2, **f64)
+    tr, _ = fit("sel0_acc", SelSyncStrategy(delta=0.0), accumulate_grad_batches=2, **f64)
     res["sel0_acc"] = tr.strategy.sync_metrics()
+    # the other documented special cases that are DDP's update, each on its default path (only the argument that
+    # defines the case): averaging after every step (SGD with momentum and weight decay: linear in the gradient)
+    fit("localsgd1", LocalSGDStrategy(period=1), **f64)
+    fit("fedavg1", FedAvgStrategy(syncs_per_epoch=steps_per_epoch), **f64)  # C = 1 (default), a sync every step
+    # the period pinned at 1 ([1, max_period]); no warm-up, so the adaptive schedule (not its warm-up) is what runs
+    tr, _ = fit("adpsgd1", ADPSGDStrategy(p_init=1, max_period=1, warmup_epochs=0), **f64)
+    res["adpsgd1"] = [tr.strategy.controller.period, tr.strategy.step_counter.sync_steps]
+    # Sync-Switch's BSP phase (its default schedule: BSP for the first 25% of the workload, beyond these K steps).
+    # Its dynamic loader splits each step's global batch among the ranks differently from DistributedSampler (the
+    # same samples), so a model without BatchNorm, whose gradient does not depend on that split
+    mlp = {"precision": "64-true", "model": functools.partial(WideMLP, hidden=32, depth=1)}
+    fit("ddp_mlp", DDPStrategy(), **mlp)
+    tr, _ = fit("sync_switch_bsp", SyncSwitchStrategy(), max_epochs=4, **mlp)
+    res["sync_switch_bsp"] = [tr.strategy.protocol, len(tr.strategy.switches), tr.strategy.comm_stats.ops["grads"]]
     # float32: what is bit-exact (replicas identical after every sync) and the accounting
     tr, _ = fit("bsp", BSPStrategy(verify_sync=True))
     res["bsp"] = tr.strategy.sync_metrics()
-    tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, vote="exact", verify_sync=True))
+    tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, verify_sync=True))
     res["sel0"] = tr.strategy.sync_metrics()
 
     # 2. a delta above every Delta: purely local, only votes travel
@@ -190,18 +218,47 @@ def test_bsp_matches_lightning_ddp(suite):
     assert res[0]["bsp"]["lssr"] == 0.0 and res[0]["bsp"]["sync_steps"] == K
 
 
-def test_selsync_delta_zero_is_bsp(suite):
+def test_selsync_delta_zero_at_its_defaults_is_lightning_ddp(suite):
+    """δ = 0 is BSP (Alg. 1: every Δ >= 0): on the default path (vote="overlapped") and in Alg. 1's order, with
+    parameter aggregation (averaging after the update: equal in exact arithmetic for SGD with momentum and weight
+    decay) and with gradient aggregation; every step synced, the first included."""
     res, params = suite
-    assert_equal_in_exact_arithmetic(params("sel0"), params("bsp64"), K, "SelSync delta=0 (parameters) vs BSP")
-    assert_equal_in_exact_arithmetic(params("sel0ga"), params("bsp64"), K, "SelSync delta=0 (gradients) vs BSP")
-    assert res[0]["sel0"]["sync_steps"] == K and res[0]["sel0"]["lssr"] == 0.0
+    assert res[0]["sel0_vote"] == "overlapped"  # the default order, and delta=0 is the only argument
+    for rank in range(WORLD):
+        ddp = params("ddp", rank)
+        assert_equal_in_exact_arithmetic(params("sel0", rank), ddp, K, "SelSync(delta=0) at its defaults vs DDP")
+        assert_equal_in_exact_arithmetic(params("sel0_exact", rank), ddp, K, "SelSync(delta=0, vote='exact') vs DDP")
+        assert_equal_in_exact_arithmetic(params("sel0ga", rank), ddp, K, "SelSync(delta=0, gradients) vs DDP")
+    for r in res:
+        for name in ("sel0", "sel0_f64"):
+            assert r[name]["sync_steps"] == K and r[name]["local_steps"] == 0 and r[name]["lssr"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "name,what",
+    [
+        ("localsgd1", "local SGD, period 1"),
+        ("fedavg1", "FedAvg, C = 1, a sync every step"),
+        ("adpsgd1", "ADPSGD, period 1"),
+        ("sync_switch_bsp", "Sync-Switch's BSP phase"),
+    ],
+)
+def test_documented_special_cases_at_their_defaults_are_lightning_ddp(suite, name, what):
+    res, params = suite
+    reference = "ddp_mlp" if name == "sync_switch_bsp" else "ddp"
+    for rank in range(WORLD):
+        assert_equal_in_exact_arithmetic(params(name, rank), params(reference, rank), K, f"{what} vs DDP")
+    if name == "adpsgd1":
+        assert all(r["adpsgd1"] == [1, K] for r in res)  # period 1, a sync after every step
+    if name == "sync_switch_bsp":
+        assert all(r["sync_switch_bsp"] == ["bsp", 0, K] for r in res)  # K BSP steps, no switch
 
 
 def test_gradient_accumulation_matches_lightning_ddp(suite):
     res, params = suite
     assert_equal_in_exact_arithmetic(params("bsp_acc"), params("ddp_acc"), K, "BSP vs DDP, accumulation 2")
     # parameter averaging after the update vs gradient averaging before it
-    assert_equal_in_exact_arithmetic(params("sel0_acc"), params("bsp_acc"), K, "SelSync delta=0 vs BSP, accumulation")
+    assert_equal_in_exact_arithmetic(params("sel0_acc"), params("ddp_acc"), K, "SelSync delta=0 vs DDP, accumulation")
     assert _max_diff(params("bsp_acc"), params("bsp64")) > 1e-4  # accumulation really changed the trajectory
     assert res[0]["sel0_acc"]["sync_steps"] == K  # K optimizer steps over 2K micro-batches
 

@@ -68,7 +68,8 @@ class SelSyncStrategy(SyncStrategy):
     update and the next step; a step that does not sync waits for nothing. Alg. 1's rule is unchanged — any rank's
     :math:`\Delta \ge \delta` makes a sync, Δ and δ computed as above — but the average it decides is taken one
     step later, of the replicas as they are then (after step :math:`k+1`'s update), and the first step never syncs.
-    ``vote="exact"`` keeps Alg. 1's order (the average right after the step that voted), at one round trip per step.
+    ``vote="exact"`` keeps Alg. 1's order (the average right after the step that voted), at one round trip per step;
+    it is the paper's algorithm. A fixed :math:`\delta = 0` is BSP in either order (below, "Known outcome").
     A vote still in flight is waited for at a checkpoint (its result is saved and decides the first step after a
     resume, so a resumed run follows the uninterrupted one) and at the end of training (dropped: its step never
     comes). The SIGTERM flag it carries stops every rank one step later, together.
@@ -103,6 +104,22 @@ class SelSyncStrategy(SyncStrategy):
     local gradient before its update, where BSP clips the average). The first step has no previous smoothed norm, so
     no measured change: :math:`\Delta(g_1)=0` (it syncs only when :math:`\delta=0`). A :math:`\delta` above
     every :math:`\Delta` therefore sends no parameters at all: LSSR is exactly 1 and only the 8-byte votes travel.
+
+    **Known outcome** (:attr:`decided_without_vote`). With a fixed :math:`\delta = 0` every vote asks for a sync
+    before it is cast (every :math:`\Delta` the tracker reports is :math:`\ge 0`, :math:`+\infty` included; a NaN,
+    possible only once the smoothed norm overflows float64, syncs too), so each step takes Alg. 1's decision at once:
+    the parameters are averaged right after its update (the gradients before it), in either vote order — BSP, and
+    Lightning's DDP, from the first step; with ``vote="overlapped"`` the first step syncs too and no average is a step
+    late. The vote all-reduce still runs every step, launched after backward as above, but nothing waits for it
+    before the sync: it is read after the sync (``"exact"``) or after the next step's update (``"overlapped"``) only
+    for what else it carries — the SIGTERM flags (without them a rank that received SIGTERM would leave the loop
+    alone and the others hang in the next all-reduce; a separate flag all-reduce would cost the same round trip), the
+    voter count, and each rank's :math:`\Delta` for the log (``sync/delta``: ``benchmarks/tune.py`` measures Δ's
+    quantiles with a :math:`\delta = 0` run). A SIGTERM therefore stops every rank when it would without the known
+    outcome (one step later with ``"overlapped"``), and checkpoints hold the same state (a vote in flight included).
+    Not known: :math:`\delta = \infty`, because :math:`\Delta = +\infty` happens (a non-finite norm, or the
+    smoothed norm leaving exactly 0) and :math:`\infty \ge \infty` asks for a sync; ``delta="auto"``, whose
+    threshold comes from the votes (its warm-up's threshold is 0: those steps keep the vote's order).
 
     With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
     all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
@@ -325,13 +342,25 @@ class SelSyncStrategy(SyncStrategy):
         return DeltaCalibrator(self.sync_fraction, window=CALIBRATION_WINDOW, warmup=self.calibration_warmup)
 
     # ------------------------------------------------------------------ Alg. 1
+    @property
+    def decided_without_vote(self) -> bool:
+        r"""Whether every vote's outcome is known before it is cast, so each step takes Alg. 1's decision at once
+        (a sync) instead of waiting for the vote, in either vote order: a fixed :math:`\delta = 0`, which every
+        :math:`\Delta` reaches (the class docstring, "Known outcome")."""
+        return self.delta == 0.0
+
     def _after_backward(self, optimizer: Optimizer) -> None:
         vote = self._launch_vote()
         if self.aggregation == "gradients":
-            synced = self._resolve_vote(vote)
-            self._grads_averaged = synced
-            if synced:
+            if self.decided_without_vote:  # the gradients go at once; the vote is read after them (SIGTERM, Δ)
                 self.average_grads(tag="grads")
+                self._resolve_vote(vote)
+                synced = True
+            else:
+                synced = self._resolve_vote(vote)
+                if synced:
+                    self.average_grads(tag="grads")
+            self._grads_averaged = synced
             self.step_counter.record(synced)
             self._stop_if_sigterm()
         else:
@@ -347,9 +376,14 @@ class SelSyncStrategy(SyncStrategy):
             decided: _Vote | None = launched
         else:  # the previous step's vote, in flight during this step's forward and backward; this one's next step
             decided, self._in_flight = self._in_flight, launched
-        synced = self._resolve_vote(decided) if decided is not None else False
-        if synced:
-            self.average_state(tag="params")
+        if self.decided_without_vote:  # this step syncs now; a vote read here carries only SIGTERM and Δ
+            synced = self.average_state(tag="params")
+            if decided is not None:
+                self._resolve_vote(decided)
+        else:
+            synced = self._resolve_vote(decided) if decided is not None else False
+            if synced:
+                self.average_state(tag="params")
         self.step_counter.record(synced)
         self._stop_if_sigterm()
         if self.vote == "overlapped":
@@ -394,7 +428,7 @@ class SelSyncStrategy(SyncStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         vote, self._in_flight = self._in_flight, None
-        if self._resolve_vote(vote) and not self._in_sync:
+        if self._resolve_vote(vote) and not self.decided_without_vote and not self._in_sync:
             self.average_state(tag="params")
             self.step_counter.local_steps -= 1  # the last step, recorded local at its update, synced after all
             self.step_counter.sync_steps += 1
