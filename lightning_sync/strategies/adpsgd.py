@@ -145,17 +145,13 @@ class ADPSGDStrategy(SyncStrategy):
             for buf, g in zip(self._scratch, groups):
                 buf.sub_(g.state[: g.param_numel])
                 local.add_(torch.dot(buf, buf).double().to(local.device))
-            if self._ft is not None:  # over the quorum, committed with the average or not at all
-                self._ft.all_reduce([local], op="sum", tag="stat")
+            # one value per replica, over the replicas (fault-tolerant: over the quorum, committed with the average)
+            self.topology.all_reduce(local, op="sum", tag="stat")
 
-        if self._ft is not None:
-            if not self.average_state(tag="params", on_mean=deviation_from_the_mean):
-                return None
-            return mean_squared_deviation(float(local.item()), self.ft_replicas)
-        self.average_state(tag="params", on_mean=deviation_from_the_mean)
-        # one value per replica (with replica groups, over the leaders and broadcast in the replica)
-        self._all_reduce_over_replicas(local, op="sum", tag="stat")
-        return mean_squared_deviation(float(local.item()), self.num_replicas)
+        members = self.topology.members()
+        if not self.average_state(tag="params", on_mean=deviation_from_the_mean):
+            return None
+        return mean_squared_deviation(float(local.item()), members)
 
     def _ft_next_step_syncs(self) -> bool:
         return self.controller is not None and self.controller.averages_next()

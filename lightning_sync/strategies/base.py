@@ -70,6 +70,7 @@ from lightning_sync.strategies.outer import OuterAveraging
 from lightning_sync.strategies.overlap import OverlappedGrads
 from lightning_sync.strategies.replicas import ReplicaGroups, ReplicaSize, check_replica_size
 from lightning_sync.strategies.sigterm import SigtermCheck
+from lightning_sync.strategies.topology import Topology, topology_for
 from lightning_sync.strategies.training_data import DataLoaderTransform, TrainingData
 
 __all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
@@ -174,7 +175,7 @@ class SyncStrategy(
     inside each replica before :meth:`_after_backward`, and :meth:`average_state` / :meth:`average_grads` then average
     the replicas. A method that runs grouped counts replicas, not ranks (:attr:`num_replicas`,
     :attr:`replica_index`; ``participants`` are replica indices) and sends any other value with one value per
-    replica through ``_all_reduce_over_replicas`` / ``_average_over_replicas``; one that cannot sets
+    replica through its :attr:`topology` (``self.topology.all_reduce`` / ``mean``); one that cannot sets
     :attr:`replica_groups_refusal` to the reason (``replica_size`` is then refused at construction).
     :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example (walked through in
     ``docs/architecture.md``, with the life of one step).
@@ -277,6 +278,8 @@ class SyncStrategy(
         self.comm_stats = CommStats()
         self.step_counter = StepCounter()
         self._comm: Communicator | None = None
+        #: how the replicas average (flat, grouped, fault-tolerant), chosen at setup_environment
+        self._topology: Topology | None = None
         self._flat: FlatState | None = None
         self._restored_state: dict[str, Any] | None = None
         self._restored_per_rank = False
@@ -311,6 +314,13 @@ class SyncStrategy(
         return self._comm
 
     @property
+    def topology(self) -> Topology:
+        """How the replicas average (:mod:`~lightning_sync.strategies.topology`): the one object the averages call."""
+        if self._topology is None:
+            raise RuntimeError(f"{type(self).__name__} has no replica topology before setup_environment()")
+        return self._topology
+
+    @property
     def flat(self) -> FlatState:
         if self._flat is None:
             if self._adopted is not None:
@@ -329,6 +339,7 @@ class SyncStrategy(
         self._add_sync_stats()
         if self.fault_tolerance is not None:
             self._ft_setup_environment()  # joins nothing yet: reaches the lighthouse (a clear error if it cannot)
+        self._topology = topology_for(self)
 
     def _add_sync_stats(self) -> None:
         """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
@@ -447,7 +458,8 @@ class SyncStrategy(
     def average_state(
         self, tag: str = "params", participants: list[int] | None = None, on_mean: Callable[[], None] | None = None
     ) -> bool:
-        r"""Average parameters and floating buffers over all ranks: one all-reduce per flat buffer.
+        r"""Average parameters and floating buffers over the replicas, through :attr:`topology` (flat: one all-reduce
+        per flat buffer over all ranks; the strategy never branches on which topology it runs).
 
         With ``participants`` (a rank list, identical on every rank), only those ranks' values are averaged and
         every rank takes the result: the others contribute zeros to the same all-reduce (so the bytes are those of
@@ -468,69 +480,15 @@ class SyncStrategy(
         ``True`` otherwise.
         """
         tensors = self.flat.state_tensors()
-        if self._ft is not None:  # fault-tolerant: over the replica groups of the current quorum, committed or not
-            committed = self._ft_all_reduce(tensors, tag, participants, before_commit=on_mean)
-            if self.verify_sync:
-                self._ft_verify(tensors, "parameters and buffers", committed)
-            if not committed:
-                return False
-            self._outer_step(tensors)
-            self._record_synced()
-            self._mark_in_sync()
-            return True
-        self._average_tensors(tensors, tag, participants)
-        if on_mean is not None:
-            on_mean()
-        self._outer_step(tensors)
+        committed = self.topology.average(tensors, tag, participants, before_commit=on_mean)
         if self.verify_sync:
-            self._verify(tensors, "parameters and buffers")
+            self.topology.verify(tensors, "parameters and buffers", committed)
+        if not committed:
+            return False  # fault-tolerant: this replica group keeps its own values, the next sync tries again
+        self._outer_step(tensors)
         self._record_synced()  # evaluate="last_sync": every rank holds the global model now
         self._mark_in_sync()  # and validation before the next step needs no average
         return True
-
-    def _average_tensors(self, tensors: list[Tensor], tag: str, participants: list[int] | None = None) -> None:
-        """The communication of :meth:`average_state` on ``tensors`` (the flat state, or DiLoCo's fragment): every
-        rank (replica, with replica groups) takes the mean of the participants' values; compressed with
-        :attr:`compressor`."""
-        if self.grouped:
-            self._average_state_over_replicas(tensors, tag, participants)
-        elif self.compressor is not None and self.world_size > 1:
-            self._average_state_compressed(tensors, tag, participants)
-        elif participants is None or len(participants) == self.world_size:
-            self.comm.all_reduce_many(tensors, op="avg", tag=tag)
-        else:
-            if not participants:
-                raise ValueError("participants must name at least one rank")
-            if self.global_rank not in participants:
-                for t in tensors:
-                    t.zero_()
-            self.comm.all_reduce_many(tensors, op="sum", tag=tag)
-            for t in tensors:
-                t.div_(len(participants))
-
-    def _average_state_over_replicas(self, tensors: list[Tensor], tag: str, participants: list[int] | None) -> None:
-        """:meth:`_average_tensors` with replica groups: the leaders average (``participants``: replica indices;
-        compressed as flat, over the leaders), then every rank of a replica takes its leader's result."""
-        replicas = self.num_replicas
-        if participants is not None and not participants:
-            raise ValueError("participants must name at least one replica")
-        if replicas == 1:
-            return
-        inter = self._inter
-        if inter is not None:
-            if self.compressor is not None:
-                self._average_state_compressed(tensors, tag, participants, inter, self.replica_index)
-            elif participants is None or len(participants) == replicas:
-                inter.all_reduce_many(tensors, op="avg", tag=tag)
-            else:
-                if self.replica_index not in participants:
-                    for t in tensors:
-                        t.zero_()
-                inter.all_reduce_many(tensors, op="sum", tag=tag)
-                for t in tensors:
-                    t.div_(len(participants))
-        self._share_in_replica(tensors, tag)
-        self._take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
 
     def average_grads(self, tag: str = "grads", comm: Communicator | None = None, verify_update: bool = False) -> None:
         """Average gradients (and floating buffers, carried in the same buffer) over ``comm`` (default: all
@@ -545,50 +503,12 @@ class SyncStrategy(
         With replica groups the gradients were averaged inside the replica after backward already; this averages the
         replicas' gradients: over the leaders (compressed with :attr:`compressor`), then broadcast in each replica.
         """
-        if self.grouped:
-            if comm is not None and comm is not self.comm:
-                raise RuntimeError(f"{type(self).__name__}: average_grads over a subgroup has no replica-group form")
-            tensors = self._average_grads_over_replicas(tag)
-            if self.verify_sync:
-                self._verify(tensors, "gradients and buffers", self.comm)
-                if verify_update:
-                    self._verify_after_update = self.comm
-            return
-        comm = comm if comm is not None else self.comm
-        flat = self.flat
-        # launched bucket by bucket during backward if _overlap_grads announced this call: launch the rest, wait
-        tensors = self._finish_grad_buckets(comm, tag)
-        if tensors is None and self.compressor is not None:
-            tensors = self._average_grads_compressed(comm, tag)
-        elif tensors is None:
-            flat.stage_buffers()
-            tensors = flat.grad_tensors()
-            comm.all_reduce_many(tensors, op="avg", tag=tag)
-            flat.unstage_buffers()
+        tensors = self.topology.average_grads(tag, comm)
         if self.verify_sync:
+            comm = comm if comm is not None else self.comm  # with replica groups: every rank of every replica
             self._verify(tensors, "gradients and buffers", comm)
             if verify_update:
                 self._verify_after_update = comm
-
-    def _average_grads_over_replicas(self, tag: str) -> list[Tensor]:
-        """:meth:`average_grads` with replica groups (the gradients are the replica's average already)."""
-        flat = self.flat
-        if self.num_replicas == 1:
-            return flat.grad_tensors()
-        if self.compressor is not None:
-            if self._inter is not None:
-                tensors = self._average_grads_compressed(self._inter, tag)  # buffers exact, beside the gradients
-            else:
-                tensors = flat.grad_tensors(with_buffers=False) + [g.buffers for g in flat.groups if g.buffer_numel]
-            self._share_in_replica(tensors, tag)
-            return tensors
-        flat.stage_buffers()
-        tensors = flat.grad_tensors()
-        if self._inter is not None:
-            self._inter.all_reduce_many(tensors, op="avg", tag=tag)
-        self._share_in_replica(tensors, tag)
-        flat.unstage_buffers()
-        return tensors
 
     def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None:
         comm = comm if comm is not None else self.comm
@@ -666,6 +586,9 @@ class SyncStrategy(
             self._grad_buckets.remove()
             self._grad_buckets = None
         self._remove_local_clipping()
+        if self._topology is not None:
+            self._topology.close()
+            self._topology = None
         self._teardown_replica_groups()
         self._ft_teardown()
         if self._comm is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -13,15 +13,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.comm import CommHandle, Communicator
 from lightning_sync.core.outer import auto_outer_optimizer, parse_outer_optimizer
 from lightning_sync.core.streaming import FragmentSchedule, fragment_ranges
 from lightning_sync.core.validation import check_bool, check_real
 from lightning_sync.strategies.base import SyncStrategy
 from lightning_sync.strategies.evaluation import check_evaluate
-
-if TYPE_CHECKING:
-    from lightning_sync.comm.ft import PendingAllReduce
+from lightning_sync.strategies.topology import InFlight
 
 #: default H (inner steps per outer step): see DiLoCoStrategy's docstring for why not the paper's 500
 DEFAULT_SYNC_EVERY = 16
@@ -44,12 +41,15 @@ class _Pending:
 
     fragment: int
     step: int
-    handles: list[CommHandle]
     buffers: list[Tensor]
-    #: fault-tolerant: whether the sync committed (otherwise the buffers hold this replica's own values, not applied)
+    #: the average in flight (``None``: blocking, done at the launch, or restored from a checkpoint complete)
+    flight: InFlight | None = None
+    #: whether the sync committed (fault-tolerant: otherwise the buffers hold this replica's own values, not applied)
     committed: bool = True
-    #: fault-tolerant with ``delay > 0``: the all-reduce in flight over the quorum, committed when it is applied
-    ft: PendingAllReduce | None = None
+
+    @property
+    def handles(self) -> list[Any]:
+        return self.flight.handles if self.flight is not None else []
 
 
 class DiLoCoStrategy(SyncStrategy):
@@ -195,7 +195,6 @@ class DiLoCoStrategy(SyncStrategy):
         self._send: list[Tensor] = []
         self._pending: _Pending | None = None
         self._restored_pending: dict[str, Any] | None = None
-        self._stream_comm: Communicator | None = None
         self.fragment_syncs = [0] * self.fragments
         self.last_launched: int | None = None
         self.last_applied: int | None = None
@@ -225,10 +224,8 @@ class DiLoCoStrategy(SyncStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.delay > 0 and self.fault_tolerance is None:  # the overlapped all-reduces get their own group
-            # with replica groups a second group of the leaders (None on the other ranks: they take the result
-            # from their leader when the fragment is applied)
-            self._stream_comm = self._new_inter_comm() if self.grouped else self.comm.split()
+        if self.delay > 0:  # the overlapped all-reduces get their own group (fault-tolerant: torchft's)
+            self.topology.open_side_channel()
 
     def _on_flat_ready(self) -> None:
         groups = self.flat.groups
@@ -293,21 +290,12 @@ class DiLoCoStrategy(SyncStrategy):
                 buffers.append(region)
             else:
                 buffers.append(self._send[part.group][: region.numel()].copy_(region))
-        handles: list[CommHandle] = []
-        committed = True
-        ft_pending = None
-        if self._ft is not None and self.delay > 0:  # over the current quorum, in flight; committed when applied
-            ft_pending = self._ft_launch(buffers, "params")
-            handles = [ft_pending]
-        elif self._ft is not None:  # fault-tolerant: over the current quorum; not committed: keep this replica's own
-            committed = self._ft_all_reduce(buffers, "params")
-            if self.verify_sync:
-                self._ft_verify(buffers, f"the mean of fragment {fragment}", committed)
-        elif self.delay == 0:  # blocking (compressed: plain DiLoCo, the buffers are the whole state)
-            self._average_tensors([b for b in buffers if b.numel()] if self.compressor else buffers, "params")
-        elif self._stream_comm is not None:  # (with replica groups: on the leaders)
-            handles = [self._stream_comm.all_reduce(b, op="avg", tag="params", async_op=True) for b in buffers]
-        self._pending = _Pending(fragment, step, handles, buffers, committed, ft_pending)
+        if self.delay == 0:  # blocking (compressed: plain DiLoCo, the buffers are the whole state)
+            sent = [b for b in buffers if b.numel()] if self.compressor else buffers
+            committed = self.topology.average(sent, "params")
+            self._pending = _Pending(fragment, step, buffers, committed=committed)
+        else:  # in flight during the next delay steps, on the topology's second group
+            self._pending = _Pending(fragment, step, buffers, self.topology.launch(buffers, "params"))
         self.fragment_syncs[fragment] += 1
 
     def _apply(self) -> None:
@@ -316,14 +304,10 @@ class DiLoCoStrategy(SyncStrategy):
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("DiLoCoStrategy: a fragment is due but none is in flight (schedule out of step)")
-        for handle in pending.handles:
-            handle.wait()
-        if self.delay > 0 and pending.ft is None:  # replica groups: the leader's mean to its replica (fault-tolerant:
-            self._share_in_replica(pending.buffers, "params")  # in the wait; blocking: in _launch)
-        if pending.ft is not None:  # fault-tolerant, in flight since the launch: commit it now (or keep our own)
-            pending.committed = self._ft_finish(pending.ft)
-            if self.verify_sync:
-                self._ft_verify(pending.buffers, f"the mean of fragment {pending.fragment}", pending.committed)
+        if pending.flight is not None:  # in flight since the launch: wait (fault-tolerant: and commit, or not)
+            pending.committed = pending.flight.finish()
+        if self.verify_sync:
+            self.topology.verify(pending.buffers, f"the mean of fragment {pending.fragment}", pending.committed)
         if not pending.committed:
             return  # fault-tolerant sync that failed: the local fragment stays as it is, the next sync tries again
         parts = self._parts[pending.fragment]
@@ -334,8 +318,6 @@ class DiLoCoStrategy(SyncStrategy):
                 if self.outer is not None and n:
                     self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
             self._take_reference([b for b in pending.buffers if b.numel()])  # compressed: from the new global model
-            if self.verify_sync and self._ft is None:
-                self._verify(pending.buffers, f"global parameters of fragment {pending.fragment} after its sync")
             for part, buf in zip(parts, pending.buffers):  # evaluate="last_sync": before any mixing with alpha
                 self._record_synced_region(part.group, part.start, buf)
             if not self._in_place:
@@ -367,11 +349,11 @@ class DiLoCoStrategy(SyncStrategy):
             self._mark_in_sync()
             return  # every fragment synced at the last step and was taken as is: the replicas hold the global model
         tensors = self.flat.state_tensors()
-        if self._ft is not None:
-            if not self._ft_all_reduce(tensors, "final"):
-                return  # the final sync failed: every replica group keeps its own model
-        else:
-            self._average_tensors(tensors, "final")
+        committed = self.topology.average(tensors, "final")
+        if self.verify_sync:
+            self.topology.verify(tensors, "parameters and buffers after the final sync", committed)
+        if not committed:
+            return  # fault-tolerant: the final sync failed, every replica group keeps its own model
         if self.outer is not None:
             inner_lr = self._inner_lr()
             with torch.no_grad():
@@ -382,8 +364,6 @@ class DiLoCoStrategy(SyncStrategy):
                             self.outer.step(params, part.group, part.start, inner_lr=inner_lr)
                         else:  # synced at the last step: its mean holds nothing the global model lacks
                             params.copy_(self.outer.global_params[part.group][part.start : part.param_end])
-        if self.verify_sync and self._ft is None:
-            self._verify(tensors, "parameters and buffers after the final sync")
         self._record_synced()
         self._mark_in_sync()
 
@@ -397,9 +377,6 @@ class DiLoCoStrategy(SyncStrategy):
             for handle in self._pending.handles:
                 handle.wait()
         self._pending = None
-        if self._stream_comm is not None:
-            self._stream_comm.destroy()
-            self._stream_comm = None
         super().teardown()
 
     # ------------------------------------------------------------------ metrics and state
@@ -462,4 +439,4 @@ class DiLoCoStrategy(SyncStrategy):
         buffers = []
         for part, values in zip(self._parts[fragment], saved["buffers"], strict=True):
             buffers.append(self._send[part.group][: values.numel()].copy_(values))
-        self._pending = _Pending(fragment, int(saved["step"]), [], buffers)
+        self._pending = _Pending(fragment, int(saved["step"]), buffers)

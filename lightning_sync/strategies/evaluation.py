@@ -154,7 +154,7 @@ class GlobalModelEvaluation:
                 self._verify(tensors, f"parameters and buffers (in sync since the last sync, at {tag!r})")
             return None
         replica = [t.detach().clone() for t in tensors]
-        self._average_over_replicas(tensors, tag)  # with replica groups: over the leaders, broadcast in the replica
+        self.topology.mean(tensors, tag)  # with replica groups: over the leaders, broadcast in the replica
         return replica
 
     def _swap_in_synced(self) -> list[Tensor]:

@@ -104,7 +104,7 @@ class FedAvgStrategy(SyncStrategy):
             self.round += 1
             # replica indices (ranks when every rank is a replica): with replica groups whole replicas take part;
             # fault-tolerant: ranks in the current quorum
-            members = self.num_replicas if self._ft is None else self._ft_current_quorum().replica_world_size
+            members = self.topology.members()
             self.last_participants = fedavg_participants(members, self.fraction, self.seed, self.round)
             self.average_state(tag="params", participants=self.last_participants)
             self._check_sigterm()

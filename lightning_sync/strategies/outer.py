@@ -75,7 +75,7 @@ class OuterAveraging:
         one, none either when the last step synced the whole model (:attr:`_in_sync`): the replicas are identical."""
         if self.outer is None:
             # in sync: the replicas are their average already; fault-tolerant: the other replica groups are elsewhere
-            if (self.num_replicas > 1 or self._ft is not None) and not self._in_sync:
+            if self.topology.has_peers and not self._in_sync:
                 self.average_state(tag="final")
         elif self._updates_since_average > 0:
             self.average_state(tag="final")

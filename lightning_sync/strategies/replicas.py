@@ -54,7 +54,8 @@ class ReplicaGroups:
     """Mixin of :class:`~lightning_sync.strategies.SyncStrategy` (see the module docstring). The strategy's
     ``__init__`` sets ``replica_size`` and ``intra_link``; ``setup_environment`` calls
     :meth:`_setup_replica_groups`, ``teardown`` :meth:`_teardown_replica_groups`; the averages call
-    :meth:`_average_in_replica`, :meth:`_average_over_replicas` and :meth:`_share_in_replica`."""
+    :meth:`_average_in_replica` and :meth:`_share_in_replica` (the averages between replicas are
+    :class:`~lightning_sync.strategies.topology.GroupedTopology`'s)."""
 
     #: Why this method cannot run with replica groups (``None``: it can). A strategy that sets it refuses
     #: ``replica_size`` and ``intra_link`` at construction with this reason.
@@ -182,26 +183,3 @@ class ReplicaGroups:
             for t in tensors:
                 if t.numel():
                     self._intra.broadcast(t, src=0, tag=tag)
-
-    def _average_over_replicas(self, tensors: list[Tensor], tag: str) -> None:
-        """Average ``tensors`` over the replicas (exact, in place, every rank takes the result): flat, one all-reduce
-        per tensor over all ranks; with replica groups, over the leaders, then broadcast in each replica."""
-        if self._intra is None:
-            self.comm.all_reduce_many(tensors, op="avg", tag=tag)
-            return
-        if self.num_replicas == 1:
-            return
-        if self._inter is not None:
-            self._inter.all_reduce_many(tensors, op="avg", tag=tag)
-        self._share_in_replica(tensors, tag)
-
-    def _all_reduce_over_replicas(self, tensor: Tensor, op: str, tag: str) -> None:
-        """All-reduce ``tensor``, one value per replica (identical on the ranks of a replica), over the replicas."""
-        if self._intra is None:
-            self.comm.all_reduce(tensor, op=op, tag=tag)
-            return
-        if self.num_replicas == 1:
-            return
-        if self._inter is not None:
-            self._inter.all_reduce(tensor, op=op, tag=tag)
-        self._share_in_replica([tensor], tag)
