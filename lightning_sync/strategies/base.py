@@ -15,7 +15,8 @@ This file holds what a method author reads — the constructor, the step and its
 concern each: :mod:`~lightning_sync.strategies.launcher` (registered names, launcher, what a spawn launch ships back),
 :mod:`~lightning_sync.strategies.evaluation` (validation and the main checkpoint file see the global model),
 :mod:`~lightning_sync.strategies.checkpoint` (every rank's part beside the checkpoint),
-:mod:`~lightning_sync.strategies.compressed` (the compressed paths of the two averages),
+:mod:`~lightning_sync.strategies.topology` (who averages with whom: flat, grouped, fault-tolerant) and
+:mod:`~lightning_sync.strategies.codec` (exact or compressed values) are components the strategy owns;
 :mod:`~lightning_sync.strategies.outer` (the outer optimizer of parameter averaging),
 :mod:`~lightning_sync.strategies.overlap` (the gradient all-reduce overlapped with backward),
 :mod:`~lightning_sync.strategies.replicas` (replica groups: exact data parallelism inside a replica of several ranks),
@@ -59,8 +60,8 @@ from lightning_sync.core.validation import check_bool, check_int
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
 from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
 from lightning_sync.strategies.clipping import LocalClipping, LocalClippingMode, check_local_clipping
+from lightning_sync.strategies.codec import ExactCodec, codec_for
 from lightning_sync.strategies.collectives import CountedCollectives
-from lightning_sync.strategies.compressed import CompressedAveraging
 from lightning_sync.strategies.defaults import add_default_callback
 from lightning_sync.strategies.evaluation import GlobalModelEvaluation
 from lightning_sync.strategies.fault_tolerance import FaultTolerance, FaultTolerantSync, check_fault_tolerance
@@ -83,7 +84,6 @@ class SyncStrategy(
     SyncLaunching,
     LocalClipping,
     GlobalModelEvaluation,
-    CompressedAveraging,
     OuterAveraging,
     OverlappedGrads,
     ReplicaGroups,
@@ -289,9 +289,8 @@ class SyncStrategy(
         self.compression: str | None = compression
         #: the compression's wire format, buffers and error-feedback residuals (``None`` without compression)
         self.compressor: Compressor | None = Compressor(compression) if compression is not None else None
-        #: compressed parameter averaging: the last average (identical on every rank), what the next one is taken
-        #: relative to (average = reference + the compressed average of each rank's change since)
-        self._reference: list[Tensor] | None = None
+        #: how an average's values travel: exact, or compressed with its reference and error feedback
+        self.codec: ExactCodec = codec_for(self.compressor)
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
         self._sigterm_buf: Tensor | None = None
         self._restored_comm: dict[str, Any] | None = None
@@ -377,7 +376,7 @@ class SyncStrategy(
             for tensor in self._flat.state_tensors():
                 self.comm.broadcast(tensor, src=0, tag="setup")
         self._setup_outer()
-        self._setup_compression()
+        self.codec.setup(self.flat, self._averages_state(), self.world_size, type(self).__name__)
         self._init_synced()  # evaluate="last_sync": the global model of the last sync starts as the replicas
         if self._restored_state is not None:
             self.load_strategy_state(self._restored_state)
@@ -386,6 +385,11 @@ class SyncStrategy(
 
     def _on_flat_ready(self) -> None:
         """Subclass hook: the flat state exists and replicas are identical (or restored)."""
+
+    def _averages_state(self) -> bool:
+        """Whether this method averages parameters (:meth:`average_state`): with compression it then keeps the
+        reference copy of the last average. Methods whose replicas never diverge (gradient averaging) do not."""
+        return self.replicas_diverge
 
     # ------------------------------------------------------------------ the step
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -551,8 +555,8 @@ class SyncStrategy(
             state["injector"] = self.injector.state_dict()
         if self.outer is not None:
             state["outer"] = self._outer_state()
-        if self.compressor is not None:
-            state["compression"] = self._compression_state()
+        if (compression := self.codec.state_dict()) is not None:
+            state["compression"] = compression  # the error-feedback residuals and the reference
         if self._synced is not None:
             state["synced"] = self._synced_state()
         if self._ft is not None:
@@ -566,7 +570,7 @@ class SyncStrategy(
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
         self._load_outer_state(state.get("outer"))
-        self._load_compression_state(state.get("compression"))
+        self.codec.load_state_dict(state.get("compression"), self.compression)
         self._load_synced(state.get("synced"))
         if self._ft is not None and state.get("ft") is not None:
             self._ft.load_state_dict(state["ft"])
@@ -594,7 +598,7 @@ class SyncStrategy(
         if self._comm is not None:
             self._comm.close()  # the driver thread of asynchronous compressed all-reduces, if one was started
         self._flat = None
-        self._reference = None
+        self.codec = codec_for(self.compressor)  # a later fit takes its reference anew
         self._synced = None
         self._comm = None
         super().teardown()

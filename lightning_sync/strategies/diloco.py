@@ -317,7 +317,8 @@ class DiLoCoStrategy(SyncStrategy):
                 n = part.param_end - part.start
                 if self.outer is not None and n:
                     self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
-            self._take_reference([b for b in pending.buffers if b.numel()])  # compressed: from the new global model
+            # compressed: the next changes are taken from the new global model
+            self.codec.take_reference([b for b in pending.buffers if b.numel()])
             for part, buf in zip(parts, pending.buffers):  # evaluate="last_sync": before any mixing with alpha
                 self._record_synced_region(part.group, part.start, buf)
             if not self._in_place:
@@ -439,4 +440,6 @@ class DiLoCoStrategy(SyncStrategy):
         buffers = []
         for part, values in zip(self._parts[fragment], saved["buffers"], strict=True):
             buffers.append(self._send[part.group][: values.numel()].copy_(values))
-        self._pending = _Pending(fragment, int(saved["step"]), buffers)
+        # its all-reduce completed before the checkpoint; with replica groups the leader's result still goes to the
+        # replica's other ranks when it is applied
+        self._pending = _Pending(fragment, int(saved["step"]), buffers, self.topology.completed(buffers, "params"))

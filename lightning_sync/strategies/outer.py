@@ -65,7 +65,7 @@ class OuterAveraging:
             if g.param_numel:
                 self.outer.step(g.state[: g.param_numel], index, inner_lr=inner_lr)
         self._updates_since_average = 0
-        self._take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
+        self.codec.take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
 
     def _average_at_end(self) -> None:
         r"""``average_at_end``: hand back the global model, not rank 0's replica. Without an outer optimizer, the

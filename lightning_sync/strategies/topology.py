@@ -15,7 +15,8 @@ The interface, as PyTorch's model averagers are one idea a class:
 
 * :meth:`Topology.average` — the method's parameter average (``participants``: FedAvg's draw; ``before_commit``:
   what runs while the tensors hold the mean, e.g. ADPSGD's statistic); returns whether it committed (always, but
-  under fault tolerance). Compressed with the strategy's codec where it has one.
+  under fault tolerance). Its values travel as the strategy's codec
+  (:mod:`~lightning_sync.strategies.codec`) sends them: exact or compressed.
 * :meth:`Topology.launch` / :class:`InFlight` — the same average in flight while training goes on (streaming DiLoCo).
 * :meth:`Topology.average_grads` — the gradient average of BSP and SelSync's gradient aggregation.
 * :meth:`Topology.mean` (an exact mean that is an observation, not a sync: validation) and :meth:`Topology.all_reduce`
@@ -32,9 +33,13 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lightning_sync.comm import CommHandle, Communicator
+from lightning_sync.strategies.codec import ExactCodec
 
 if TYPE_CHECKING:
     from lightning_sync.strategies.base import SyncStrategy
+
+#: the exact codec (a flat run of one rank averages exactly whatever its compression)
+EXACT = ExactCodec()
 
 __all__ = ["FaultTolerantTopology", "FlatTopology", "GroupedTopology", "InFlight", "Topology", "topology_for"]
 
@@ -73,6 +78,11 @@ class Topology(ABC):
     def launch(self, tensors: list[Tensor], tag: str) -> InFlight:
         """Start the average of ``tensors`` (exact) and return while it is in flight (needs :meth:`open_side_channel`
         at setup)."""
+
+    def completed(self, tensors: list[Tensor], tag: str) -> InFlight:
+        """An average launched before a checkpoint, complete when it was saved, restored on resume: what its finish
+        still does (with replica groups: the leader's result to its replica's ranks)."""
+        return InFlight([], lambda: True)
 
     @abstractmethod
     def average_grads(self, tag: str, comm: Communicator | None = None) -> list[Tensor]:
@@ -115,10 +125,8 @@ class FlatTopology(Topology):
 
     def average(self, tensors, tag, participants=None, before_commit=None):  # type: ignore[no-untyped-def]
         s = self.strategy
-        if s.compressor is not None and s.world_size > 1:
-            s._average_state_compressed(tensors, tag, participants)
-        else:
-            _exact_average(s.comm, tensors, tag, participants, s.global_rank, "rank")
+        codec = s.codec if s.world_size > 1 else EXACT  # one rank: nothing to compress (no reference was taken)
+        codec.average_state(s.comm, tensors, tag, participants, s.global_rank, "rank")
         if before_commit is not None:
             before_commit()
         return True
@@ -135,14 +143,7 @@ class FlatTopology(Topology):
         flat = s.flat
         # launched bucket by bucket during backward if _overlap_grads announced this call: launch the rest, wait
         tensors = s._finish_grad_buckets(comm, tag)
-        if tensors is None and s.compressor is not None:
-            tensors = s._average_grads_compressed(comm, tag)
-        elif tensors is None:
-            flat.stage_buffers()
-            tensors = flat.grad_tensors()
-            comm.all_reduce_many(tensors, op="avg", tag=tag)
-            flat.unstage_buffers()
-        return tensors
+        return tensors if tensors is not None else s.codec.average_grads(comm, flat, tag)
 
     def mean(self, tensors, tag):  # type: ignore[no-untyped-def]
         self.strategy.comm.all_reduce_many(tensors, op="avg", tag=tag)
@@ -171,12 +172,9 @@ class GroupedTopology(Topology):
         if s.num_replicas > 1:
             inter = s._inter
             if inter is not None:
-                if s.compressor is not None:
-                    s._average_state_compressed(tensors, tag, participants, inter, s.replica_index)
-                else:
-                    _exact_average(inter, tensors, tag, participants, s.replica_index, "replica")
+                s.codec.average_state(inter, tensors, tag, participants, s.replica_index, "replica")
             s._share_in_replica(tensors, tag)
-            s._take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
+            s.codec.take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
         if before_commit is not None:
             before_commit()
         return True
@@ -193,6 +191,13 @@ class GroupedTopology(Topology):
 
         return InFlight(handles, finish)
 
+    def completed(self, tensors: list[Tensor], tag: str) -> InFlight:
+        def finish() -> bool:
+            self.strategy._share_in_replica(tensors, tag)
+            return True
+
+        return InFlight([], finish)
+
     def average_grads(self, tag, comm=None):  # type: ignore[no-untyped-def]
         s = self.strategy
         if comm is not None and comm is not s.comm:
@@ -202,7 +207,7 @@ class GroupedTopology(Topology):
             return flat.grad_tensors()
         if s.compressor is not None:
             if s._inter is not None:
-                tensors = s._average_grads_compressed(s._inter, tag)  # buffers exact, beside the gradients
+                tensors = s.codec.average_grads(s._inter, flat, tag)  # buffers exact, beside the gradients
             else:
                 tensors = flat.grad_tensors(with_buffers=False) + [g.buffers for g in flat.groups if g.buffer_numel]
             s._share_in_replica(tensors, tag)
@@ -258,6 +263,9 @@ class FaultTolerantTopology(Topology):
         pending = s._ft_launch(tensors, tag)
         return InFlight([pending], lambda: s._ft_finish(pending))
 
+    def completed(self, tensors: list[Tensor], tag: str) -> InFlight:
+        return self.within.completed(tensors, tag)  # committed before the checkpoint: this group applies it
+
     def average_grads(self, tag, comm=None):  # type: ignore[no-untyped-def]
         raise RuntimeError(
             f"{type(self.strategy).__name__}: no gradient average between fault-tolerant replica groups (a method "
@@ -291,24 +299,6 @@ def topology_for(strategy: SyncStrategy) -> Topology:
     if strategy.fault_tolerance is not None:
         return FaultTolerantTopology(strategy, within)
     return within
-
-
-def _exact_average(
-    comm: Communicator, tensors: list[Tensor], tag: str, participants: list[int] | None, member: int, what: str
-) -> None:
-    """The exact mean over ``comm``'s members of ``participants``' values (``member``: this one's index in their
-    numbering): the others contribute zeros to the same all-reduce, the sum is divided by the participants."""
-    if participants is None or len(participants) == comm.world_size:
-        comm.all_reduce_many(tensors, op="avg", tag=tag)
-        return
-    if not participants:
-        raise ValueError(f"participants must name at least one {what}")
-    if member not in participants:
-        for t in tensors:
-            t.zero_()
-    comm.all_reduce_many(tensors, op="sum", tag=tag)
-    for t in tensors:
-        t.div_(len(participants))
 
 
 def _wait(handles: Sequence[CommHandle]) -> bool:
