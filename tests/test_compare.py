@@ -345,8 +345,7 @@ def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path
 def test_runs_are_listed_as_they_finish_so_a_compare_stopped_before_its_report_can_be_merged(tmp_path, monkeypatch):
     """``summary.json`` (marked incomplete) is written before the first run and ``runs.csv`` after each run, so a
     compare that stops before its report (here: a plot that fails) leaves what ran, and ``--merge`` renders it."""
-    from lightning_sync import compare
-    from lightning_sync.benchmark import report
+    from lightning_sync.benchmark import grid, report
     from lightning_sync.benchmark.runs import finish_run
 
     out = tmp_path / "out"
@@ -367,7 +366,7 @@ def test_runs_are_listed_as_they_finish_so_a_compare_stopped_before_its_report_c
     def broken_plot(*args, **kwargs):
         raise RuntimeError("the plot failed")
 
-    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    monkeypatch.setattr(grid, "run_one", fake_run_one)
     monkeypatch.setattr(report, "plot_curves", broken_plot)
     argv = ["--workload", "digits", "--strategies", "ddp,localsgd", "--seeds", "2", "--no-workers", "--target", "0.9"]
     with pytest.raises(RuntimeError, match="the plot failed"):

@@ -213,7 +213,7 @@ def test_bandwidth_and_sync_plots_give_each_method_the_same_look(tmp_path):
 
 
 def test_write_report_writes_the_bar_chart_beside_each_table(tmp_path):
-    from lightning_sync.compare import write_report
+    from lightning_sync.benchmark.merge import write_report
 
     results = [_run(tmp_path / "runs", "ddp", seed, evals) for seed, evals in enumerate(DDP_SEEDS)]
     results += [_run(tmp_path / "runs", "localsgd", seed, [(1.0, 25.0), (2.0 + seed, 16.0)]) for seed in range(3)]
