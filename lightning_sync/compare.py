@@ -395,10 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     done: list[RunResult] = []
 
     def on_done(result: RunResult) -> None:
-        from lightning_sync.benchmark import report
+        from lightning_sync.benchmark import tables
 
         done.append(result)
-        report.write_runs(done, grid.out / "runs.csv")
+        tables.write_runs(done, grid.out / "runs.csv")
 
     if args.cluster:
         from lightning_sync.cluster import NamespaceCluster

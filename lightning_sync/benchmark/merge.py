@@ -52,43 +52,43 @@ def write_report(
     command: str,
 ) -> dict[str, Any]:
     """Tables per link (Markdown, CSV), every run (CSV), plots; printed and written under ``out``."""
-    from lightning_sync.benchmark import report
+    from lightning_sync.benchmark import plots, tables
     from lightning_sync.comm.link import LinkModel
 
     out.mkdir(parents=True, exist_ok=True)
-    report.write_runs(results, out / "runs.csv")  # first: a table or plot that fails leaves every run listed
-    tables: dict[str, list[dict[str, Any]]] = {}
+    tables.write_runs(results, out / "runs.csv")  # first: a table or plot that fails leaves every run listed
+    per_link: dict[str, list[dict[str, Any]]] = {}
     by_bandwidth: dict[float, dict[str, Any]] = {}
     written: list[Path] = []
     for group, link in groups:
         runs = [r for r in results if r.link == group]
         seeds = len({r.seed for r in runs})
-        rows = report.table_rows(labels, runs)
-        tables[group] = rows
+        rows = tables.table_rows(labels, runs)
+        per_link[group] = rows
         folder = out / slug(group)
         folder.mkdir(parents=True, exist_ok=True)
-        text = report.markdown(rows, target)
-        (folder / "table.md").write_text(text + "\n\n" + report.legend(target, seeds, rows) + "\n")
-        report.write_csv(rows, folder / "table.csv")
+        text = tables.markdown(rows, target)
+        (folder / "table.md").write_text(text + "\n\n" + tables.legend(target, seeds, rows) + "\n")
+        tables.write_csv(rows, folder / "table.csv")
         written += [folder / "table.md", folder / "table.csv"]
         title = f"{where}, link {group}"
-        written.append(report.plot_curves(runs, target, folder / "metric_vs_time.png", title, labels))
-        written.append(report.plot_time_to_target(rows, target, folder / "time_to_target.png", title, labels))
-        written.append(report.plot_sync(runs, folder / "sync_over_steps.png", labels))
+        written.append(plots.plot_curves(runs, target, folder / "metric_vs_time.png", title, labels))
+        written.append(plots.plot_time_to_target(rows, target, folder / "time_to_target.png", title, labels))
+        written.append(plots.plot_sync(runs, folder / "sync_over_steps.png", labels))
         if link is not None:
             by_bandwidth[LinkModel.parse(link).bits_per_second] = {
                 row["method"]: row["summary"] for row in rows if "summary" in row
             }
         print(f"\n## lightning-sync compare: {where}, emulated link {group}\n")
         print(text)
-        print("\n" + report.legend(target, seeds, rows))
+        print("\n" + tables.legend(target, seeds, rows))
     written.append(out / "runs.csv")
     if by_bandwidth:
         path = out / "time_to_target_vs_bandwidth.png"
-        written.append(report.plot_bandwidth(by_bandwidth, target, path, labels=labels))
-    written.append(write_summary(out, command, where, target, labels, groups, tables))
+        written.append(plots.plot_bandwidth(by_bandwidth, target, path, labels=labels))
+    written.append(write_summary(out, command, where, target, labels, groups, per_link))
     print("\nwritten: " + ", ".join(str(p) for p in written))
-    return {"tables": tables, "runs": results, "target": target}
+    return {"tables": per_link, "runs": results, "target": target}
 
 
 def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
