@@ -150,6 +150,9 @@ class SyncCLI(LightningCLI):
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> SyncCLI:
+    """``lightning-sync fit|validate|test|predict ARGS``: a :class:`SyncCLI` over any LightningModule and
+    LightningDataModule (``args``: the command line, default ``sys.argv[1:]``; ``run=False``: parse and instantiate
+    only)."""
     return SyncCLI(
         pl.LightningModule,
         pl.LightningDataModule,
