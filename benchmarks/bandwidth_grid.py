@@ -123,14 +123,13 @@ def reference_of(entry: dict[str, Any], method: str) -> dict[str, Any]:
 
 def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: list[str], path: Path) -> Path:
     """Speedup against ddp (of the same report) per bandwidth, log-log, one line per method, each method in its look
-    from :func:`lightning_sync.benchmark.report.styles` (ddp black and solid), the legend outside the axes."""
+    from :func:`lightning_sync.benchmark.plots.styles` (ddp black and solid), the legend outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    from lightning_sync.benchmark.report import _legend, _rate, styles
+    from lightning_sync.benchmark.plots import bandwidth_axes, errorbar_line, outside_legend, styles
 
     fig, ax = plt.subplots(figsize=(9, 5))
     order = sorted(links)
@@ -154,39 +153,16 @@ def plot_speedups(target: Target, links: dict[float, dict[str, Any]], methods: l
             ys.append(row["speedup"])
             lo.append(row["speedup"] - (ref / row["max_s"] if row.get("max_s") else bottom))
             hi.append((ref / row["min_s"]) - row["speedup"])
-        look = looks[method]
-        handle = None
-        if xs:
-            handle = ax.errorbar(
-                xs,
-                ys,
-                yerr=[lo, hi],
-                marker=look["marker"],
-                linestyle=look["linestyle"],
-                color=look["color"],
-                linewidth=2.6 if method == REFERENCE else 1.5,
-                capsize=3,
-                zorder=4 if method == REFERENCE else 3,
-            )
-            handle[0].set_gid(method)
-        if missed:
-            dots = ax.scatter(missed, [bottom] * len(missed), marker="x", color=look["color"], zorder=4)
-            handle = handle or dots
-        if handle is not None:
-            handles.append(handle)
-            names.append(method if xs else f"{method} (missed)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(order, [_rate(bw) for bw in order])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ratio = FuncFormatter(lambda v, _: f"{v:g}x")
-    ax.yaxis.set_major_formatter(ratio)
-    ax.yaxis.set_minor_formatter(ratio)
+        drawn = errorbar_line(ax, method, looks[method], xs, ys, lo, hi, missed, bottom, method == REFERENCE)
+        if drawn is not None:
+            handles.append(drawn[0])
+            names.append(drawn[1])
+    bandwidth_axes(ax, order, lambda v: f"{v:g}x")
     ax.set_xlabel("link bandwidth (emulated; latency as given)")
     ax.set_ylabel(f"speedup vs {REFERENCE} in time to target")
     ax.set_title(f"time to {target.describe()}: speedup vs {REFERENCE} (x at bottom: missed)")
     ax.grid(True, which="major", alpha=0.3)
-    _legend(ax, handles, names)
+    outside_legend(ax, handles, names)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -4,7 +4,8 @@ The script a user would write (2 CPU ranks; DataLoaders with one forked worker, 
 EarlyStopping; ``fit`` then ``validate``, ``test`` and ``predict``), at each strategy's defaults, run ``--runs`` times
 a strategy by the same two processes (started once with ``launch_local``; their DataLoaders fork, as in a script
 Lightning launches like ``ddp``). A run that fails is recorded with its error; a run that hangs trips a watchdog that
-dumps every thread's stack and ends the process (``--hang-s``), so a hang is reported, never waited for.
+dumps every thread's stack, and every DataLoader worker's (``worker_<pid>.txt``; a worker that hung inside the fork
+never started and writes nothing), and ends the process (``--hang-s``), so a hang is reported, never waited for.
 
     python benchmarks/fork_stress.py --strategies ssp,asp,aladdin,localsgd --runs 100 \\
         --out docs/benchmarks/fork_stress
@@ -15,16 +16,30 @@ Run it beside another job to load the machine (issue 61's hang needed one): e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+_OUT = "."  # the run's folder, where a DataLoader worker writes its stacks when the watchdog asks
+
+
+def _worker_init(worker_id: int) -> None:
+    """A worker that started: its stacks on SIGUSR1 (the watchdog's request), into the run's folder."""
+    log = open(Path(_OUT, f"worker_{os.getpid()}.txt"), "w")  # noqa: SIM115 - open until the worker exits
+    log.write(f"worker {os.getpid()} started\n")
+    log.flush()
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
 
 
 def _loader(n: int, seed: int, persistent: bool) -> DataLoader:
@@ -33,8 +48,27 @@ def _loader(n: int, seed: int, persistent: bool) -> DataLoader:
     y = (x[:, :4].sum(1) > 0).long()
     return DataLoader(
         TensorDataset(x, y), batch_size=16, num_workers=1, persistent_workers=persistent,
-        multiprocessing_context="fork", shuffle=False,
+        multiprocessing_context="fork", shuffle=False, worker_init_fn=_worker_init,
     )
+
+
+def _watchdog(out: str, rank: int, hang_s: float, progress: list[float]) -> None:
+    """A run that makes no progress for ``hang_s``: this rank's stacks, then every DataLoader worker's (a worker that
+    never reached its start writes nothing: it hung inside the fork), then the process ends."""
+    while True:
+        time.sleep(5)
+        if time.monotonic() - progress[0] < hang_s:
+            continue
+        with open(Path(out, f"stacks_rank{rank}.txt"), "w") as f:
+            f.write(f"no progress for {hang_s:.0f} s\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            for child in multiprocessing.active_children():
+                f.write(f"DataLoader worker {child.pid} ({child.name}): asked for its stacks\n")
+                with contextlib.suppress(OSError):
+                    os.kill(child.pid, signal.SIGUSR1)
+        time.sleep(3)
+        os._exit(3)
 
 
 def _module():
@@ -73,13 +107,15 @@ def _cycles(rank: int, out: str, strategies: list[str], runs: int, hang_s: float
     import lightning_sync  # noqa: F401  (registers the strategy names)
     from lightning_sync.comm.forksafe import GATE, live_threads
 
-    log = open(Path(out, f"stacks_rank{rank}.txt"), "w")  # noqa: SIM115 - the watchdog writes here until exit
+    global _OUT
+    _OUT = out
+    progress = [time.monotonic()]
+    threading.Thread(target=_watchdog, args=(out, rank, hang_s, progress), daemon=True, name="watchdog").start()
     results: dict[str, dict] = {}
     for name in strategies:
         done, errors, longest = 0, [], 0.0
         for run in range(runs):
-            faulthandler.dump_traceback_later(hang_s, exit=True, file=log)
-            start = time.monotonic()
+            progress[0] = start = time.monotonic()
             try:
                 pl.seed_everything(run, verbose=False)
                 model = _module()
@@ -102,14 +138,13 @@ def _cycles(rank: int, out: str, strategies: list[str], runs: int, hang_s: float
                 errors.append(f"run {run}: {type(err).__name__}: {err}"[:500])
                 break
             finally:
-                faulthandler.cancel_dump_traceback_later()
                 longest = max(longest, time.monotonic() - start)
         results[name] = {"runs": done, "errors": errors, "longest_run_s": round(longest, 2)}
     results["_gate"] = {"forks_waited": GATE.forks_waited, "longest_wait_s": round(GATE.longest_wait_s, 4)}
     Path(out, f"res_rank{rank}.json").write_text(json.dumps(results, indent=1))
-    log.close()
-    if not Path(out, f"stacks_rank{rank}.txt").stat().st_size:
-        Path(out, f"stacks_rank{rank}.txt").unlink()  # no hang: no stacks
+    for done_worker in Path(out).glob("worker_*.txt"):
+        if done_worker.read_text().count("\n") <= 1:  # only "started": nothing to report
+            done_worker.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,7 +112,8 @@ def delta_quantiles(results: list[RunResult]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from lightning_sync.compare import parse_args, parse_strategy_args, prepare, run_grid
+    from lightning_sync.benchmark.grid import run_grid
+    from lightning_sync.compare import parse_args, parse_strategy_args, prepare
 
     argv = list(sys.argv[1:] if argv is None else argv)
     tune = argparse.ArgumentParser(add_help=False)

@@ -14,35 +14,27 @@ others still run.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from lightning_sync.benchmark.grid import Grid, run_grid
+from lightning_sync.benchmark.merge import merge, write_report, write_summary
 from lightning_sync.benchmark.recipes import load_recipe, recipe_path
 from lightning_sync.benchmark.runs import (
     REFERENCE,
     Row,
     RunResult,
-    Target,
     apply_class_overrides,
     base_lr,
-    build_command,
     find_target,
     load_config,
     make_row,
-    overlay,
-    run_one,
-    slug,
 )
-from lightning_sync.benchmark.workers import WARMUP_ARGS, PlannedRun, run_in_workers
 from lightning_sync.comm.compression import COMPRESSIONS
 
 
@@ -328,121 +320,6 @@ def _link_groups(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     return [(spec, spec) for spec in args.link]
 
 
-@dataclass
-class Grid:
-    """What every run of a comparison shares: the base config (as written to ``out``), the target, the seeds, the
-    devices, the extra ``fit`` arguments, whether runs stop at the target, a wall-time cap and the cluster."""
-
-    config: dict[str, Any]
-    base_path: Path
-    target: Target
-    seeds: list[int]
-    devices: int
-    out: Path
-    extra: list[str] = field(default_factory=list)
-    stop: bool = True
-    run_timeout: float | None = None
-    cluster: Any = None
-    procs_per_host: int = 1  #: processes on every host of the cluster (Trainer devices; num_nodes = hosts)
-    workers: bool = True  #: run in worker processes started once (not on a cluster): benchmark/workers.py
-    accelerator: str | None = None  #: "gpu": every rank on a GPU (see ``shared_gpu``); None: the config's
-    shared_gpu: bool = False  #: every rank on GPU 0 over gloo, as one-GPU nodes on one machine
-
-
-def plan_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[PlannedRun]:
-    """Every (link, seed, row) run, in that order (the rows of one seed run back to back, so a change in the
-    machine's load falls on all methods alike): its folder, overlay and ``fit`` arguments written, or the reason it
-    cannot run."""
-    planned: list[PlannedRun] = []
-    total = len(groups) * len(grid.seeds) * len(rows)
-    for group, link in groups:
-        for seed in grid.seeds:
-            for row in rows:
-                run_dir = grid.out / slug(group) / slug(row.label) / f"seed{seed}"
-                result = RunResult(row.label, seed, group, run_dir)
-                progress = f"({len(planned) + 1}/{total}) {group} {row.label} seed {seed}"
-                if row.error:  # unknown strategy: reported, the others still run
-                    result.error = row.error
-                    planned.append(PlannedRun(result, [], progress))
-                    continue
-                run_dir.mkdir(parents=True, exist_ok=True)
-                over = place(grid, overlay(grid.config, row, seed, run_dir, grid.devices, link, grid.target, grid.stop))
-                overlay_path = run_dir / "overlay.yaml"
-                overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
-                cmd = build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)
-                (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-                planned.append(PlannedRun(result, cmd[3:], progress))  # after "python -m lightning_sync.cli"
-    return planned
-
-
-def warmup_args(grid: Grid, groups: list[tuple[str, str | None]]) -> list[str]:
-    """The untimed warm-up fit each worker start begins with: Lightning's DDP (the reference row, which any
-    workload config must run: a row's own bad argument must not fail the warm-up) at the first link and seed, cut
-    short (:data:`~lightning_sync.benchmark.workers.WARMUP_ARGS`), in ``out/workers/warmup``."""
-    row = make_row(REFERENCE)
-    run_dir = grid.out / "workers" / "warmup"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    over = place(
-        grid, overlay(grid.config, row, grid.seeds[0], run_dir, grid.devices, groups[0][1], grid.target, False)
-    )
-    overlay_path = run_dir / "overlay.yaml"
-    overlay_path.write_text(yaml.safe_dump(over, sort_keys=False))
-    return build_command(grid.base_path, overlay_path, row, run_dir, grid.extra)[3:] + list(WARMUP_ARGS)
-
-
-def place(grid: Grid, over: dict[str, Any]) -> dict[str, Any]:
-    """A run's overlay with ``--accelerator``: ``gpu`` with a GPU per rank as it is (Lightning's NCCL); with the ranks
-    sharing GPU 0, each rank a one-GPU node (``devices=1``, ``num_nodes`` = ranks) over gloo, which carries CUDA
-    tensors (the layout ``tests/test_gpu.py`` and ``benchmarks/overhead.py`` use on a one-GPU machine)."""
-    if grid.accelerator is None:
-        return over
-    trainer = over["trainer"]
-    trainer["accelerator"] = grid.accelerator
-    if grid.shared_gpu:
-        trainer["devices"], trainer["num_nodes"] = 1, grid.devices
-        init_args = trainer["strategy"].setdefault("init_args", {})
-        init_args["process_group_backend"] = "gloo"
-    return over
-
-
-def run_grid(
-    grid: Grid,
-    groups: list[tuple[str, str | None]],
-    rows: list[Row],
-    on_done: Callable[[RunResult], None] | None = None,
-) -> list[RunResult]:
-    """Every (link, seed, row) run (:func:`plan_grid`'s order); a row that cannot run is a failed result, the others
-    still run. With :attr:`Grid.workers` the runs go through worker processes started once
-    (:mod:`lightning_sync.benchmark.workers`), else each is its own ``lightning-sync fit``. ``on_done`` is called
-    with each run's result as soon as it has one."""
-    clock_start = time.perf_counter()
-    planned = plan_grid(grid, groups, rows)
-    if grid.workers and grid.cluster is None:
-        return run_in_workers(
-            planned,
-            grid.devices,
-            grid.out,
-            warmup_args(grid, groups),
-            grid.run_timeout,
-            clock_start,
-            grid.shared_gpu,
-            on_done,
-        )
-    results: list[RunResult] = []
-    for p in planned:
-        if not p.args:
-            print(f"[compare] {p.progress}: FAILED ({p.result.error})", flush=True)
-            results.append(p.result)
-        else:
-            cmd = [sys.executable, "-m", "lightning_sync.cli", *p.args]
-            results.append(
-                run_one(p.result, cmd, p.progress, grid.cluster, grid.run_timeout, clock_start, grid.procs_per_host)
-            )
-        if on_done is not None:
-            on_done(results[-1])
-    return results
-
-
 def prepare(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> Grid:
     """The grid of a parsed ``compare`` command line: the base config (with ``--model``/``--data`` class changes
     applied, their init_args reset), the target, the seeds; the base config is written to ``out``."""
@@ -514,14 +391,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     labels = [r.label for r in rows]
     # what ran, written as the runs finish: a compare stopped before its report (killed, interrupted, an error
     # while rendering) leaves runs.csv and summary.json, which `--merge` re-renders
-    _write_summary(grid.out, command, where, grid.target, labels, groups, tables=None)
+    write_summary(grid.out, command, where, grid.target, labels, groups, tables=None)
     done: list[RunResult] = []
 
     def on_done(result: RunResult) -> None:
-        from lightning_sync.benchmark import report
+        from lightning_sync.benchmark import tables
 
         done.append(result)
-        report.write_runs(done, grid.out / "runs.csv")
+        tables.write_runs(done, grid.out / "runs.csv")
 
     if args.cluster:
         from lightning_sync.cluster import NamespaceCluster
@@ -533,135 +410,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if grid.cluster is not None:
             grid.cluster.destroy()
     return write_report(grid.out, groups, labels, results, grid.target, where, command)
-
-
-def _write_summary(
-    out: Path,
-    command: str,
-    where: str,
-    target: Target,
-    labels: list[str],
-    groups: list[tuple[str, str | None]],
-    tables: dict[str, list[dict[str, Any]]] | None,
-) -> Path:
-    """``out/summary.json``: the command, where it ran, the target, the rows and links; ``tables`` once the report
-    is written (until then ``"complete": false``: the runs so far are in ``runs.csv``)."""
-    summary: dict[str, Any] = {
-        "command": command,
-        "where": where,
-        "target": {"metric": target.metric, "value": target.value, "mode": target.mode},
-        "labels": labels,
-        "groups": [list(g) for g in groups],
-    }
-    if tables is None:
-        summary["complete"] = False
-    else:
-        summary["tables"] = {
-            group: [{k: v for k, v in row.items() if k != "summary"} for row in rows] for group, rows in tables.items()
-        }
-    path = out / "summary.json"
-    path.write_text(json.dumps(summary, indent=2, default=str))
-    return path
-
-
-def write_report(
-    out: Path,
-    groups: list[tuple[str, str | None]],
-    labels: list[str],
-    results: list[RunResult],
-    target: Target,
-    where: str,
-    command: str,
-) -> dict[str, Any]:
-    """Tables per link (Markdown, CSV), every run (CSV), plots; printed and written under ``out``."""
-    from lightning_sync.benchmark import report
-    from lightning_sync.comm.link import LinkModel
-
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_runs(results, out / "runs.csv")  # first: a table or plot that fails leaves every run listed
-    tables: dict[str, list[dict[str, Any]]] = {}
-    by_bandwidth: dict[float, dict[str, Any]] = {}
-    written: list[Path] = []
-    for group, link in groups:
-        runs = [r for r in results if r.link == group]
-        seeds = len({r.seed for r in runs})
-        rows = report.table_rows(labels, runs)
-        tables[group] = rows
-        folder = out / slug(group)
-        folder.mkdir(parents=True, exist_ok=True)
-        text = report.markdown(rows, target)
-        (folder / "table.md").write_text(text + "\n\n" + report.legend(target, seeds, rows) + "\n")
-        report.write_csv(rows, folder / "table.csv")
-        written += [folder / "table.md", folder / "table.csv"]
-        title = f"{where}, link {group}"
-        written.append(report.plot_curves(runs, target, folder / "metric_vs_time.png", title, labels))
-        written.append(report.plot_time_to_target(rows, target, folder / "time_to_target.png", title, labels))
-        written.append(report.plot_sync(runs, folder / "sync_over_steps.png", labels))
-        if link is not None:
-            by_bandwidth[LinkModel.parse(link).bits_per_second] = {
-                row["method"]: row["summary"] for row in rows if "summary" in row
-            }
-        print(f"\n## lightning-sync compare: {where}, emulated link {group}\n")
-        print(text)
-        print("\n" + report.legend(target, seeds, rows))
-    written.append(out / "runs.csv")
-    if by_bandwidth:
-        path = out / "time_to_target_vs_bandwidth.png"
-        written.append(report.plot_bandwidth(by_bandwidth, target, path, labels=labels))
-    written.append(_write_summary(out, command, where, target, labels, groups, tables))
-    print("\nwritten: " + ", ".join(str(p) for p in written))
-    return {"tables": tables, "runs": results, "target": target}
-
-
-def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
-    """Re-render the runs of earlier ``compare`` outputs (e.g. one per link, with different seed counts) as one
-    report: a table per link and the bandwidth plot over all of them. Each folder's ``summary.json`` and
-    ``runs.csv`` say what ran; every run's own records are read again: from its run folder, or, in a committed report
-    whose run folders were packed (``benchmarks/pack_records.py``), from the folder's ``records.jsonl.gz``. The
-    targets must agree."""
-    import csv as _csv
-
-    from lightning_sync.benchmark.ttt import PACKED, outcome, read_packed, read_records
-
-    groups: list[tuple[str, str | None]] = []
-    labels: list[str] = []
-    results: list[RunResult] = []
-    targets = set()
-    wheres = set()
-    for folder in map(Path, folders):
-        summary = json.loads((folder / "summary.json").read_text())
-        t = summary["target"]
-        targets.add((t["metric"], float(t["value"]), t["mode"]))
-        wheres.add(summary.get("where", ""))
-        groups += [(g, link) for g, link in summary["groups"] if (g, link) not in groups]
-        labels += [label for label in summary["labels"] if label not in labels]
-        # a committed report's runs: {run folder, relative: packed entry}
-        packed = {e["run"]: e for e in read_packed(folder) if "records" in e}
-        with (folder / "runs.csv").open() as f:
-            for line in _csv.DictReader(f):
-                run_dir = Path(line["run_dir"])
-                r = RunResult(line["method"], int(line["seed"]), line["link"], run_dir, ok=line["ok"] == "True")
-                r.error, r.killed, r.seconds = line["error"], line["killed"] == "True", float(line["seconds"] or 0)
-                path = run_dir / "time_to_target.jsonl"
-                # the packed run whose folder the run_dir ends with (runs.csv may name it from another directory)
-                keys = [k for k in packed if ("/" + run_dir.as_posix()).endswith("/" + k)]
-                if path.exists():
-                    records = read_records(path)
-                elif len(keys) == 1:
-                    r.packed = packed[keys[0]]
-                    records = r.records
-                elif r.ok:  # else it would show as missed: a silently wrong row
-                    raise ValueError(
-                        f"--merge: {folder}/runs.csv names a run that completed ({line['method']}, seed "
-                        f"{line['seed']}), but its records are neither in {path} nor packed in "
-                        f"{folder / PACKED}: merge the folders the runs wrote, or the committed report "
-                        "with its records.jsonl.gz"
-                    )
-                else:
-                    records = []
-                r.outcome = outcome(records) if records else None
-                results.append(r)
-    if len(targets) != 1:
-        raise ValueError(f"--merge: the folders measured different targets {sorted(targets)}; merge one target")
-    metric, value, mode = targets.pop()
-    return write_report(out, groups, labels, results, Target(metric, value, mode), " / ".join(sorted(wheres)), command)

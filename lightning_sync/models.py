@@ -156,7 +156,33 @@ class _LanguageModel(pl.LightningModule):
     perplexity of the whole evaluation: exp of the mean token loss over every batch of every rank. (Logging each
     batch's ``exp(loss)`` and averaging those, as ``self.log(..., sync_dist=True)`` would, gives a larger number by
     Jensen's inequality — with 8 x 32-token batches 38 where the perplexity is 16.) The sums are reduced once per
-    evaluation through the strategy (``strategy.reduce``, the path ``sync_dist`` takes)."""
+    evaluation through the strategy (``strategy.reduce``, the path ``sync_dist`` takes).
+
+    Both models share the training arguments (``optimizer``, ``lr``, the step schedule: :meth:`_check_training`,
+    :meth:`configure_optimizers`) and the causal Transformer core over ``dim``-wide positions
+    (:meth:`_build_core`)."""
+
+    @staticmethod
+    def _check_training(optimizer: str, lr: float, lr_milestones: list[int] | None, lr_gamma: float) -> None:
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        _check_step_decay(lr_milestones, lr_gamma)
+
+    def _build_core(self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int, dropout: float) -> None:
+        """The learned positions (``pos``), ``layers`` causal encoder layers of width ``dim`` (``encoder``) and the
+        untied output layer over the vocabulary (``head``), created in that order."""
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if hp.optimizer == "adamw":
+            return _with_step_decay(torch.optim.AdamW(self.parameters(), lr=hp.lr), hp)
+        return _with_step_decay(torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum), hp)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
@@ -223,29 +249,16 @@ class CharTransformerLM(_LanguageModel):
         lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
-        if optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr!r}")
-        _check_step_decay(lr_milestones, lr_gamma)
+        self._check_training(optimizer, lr, lr_milestones, lr_gamma)
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, dim)
-        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=dropout, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab_size)
+        self._build_core(vocab_size, seq_len, dim, heads, layers, dropout)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.shape[1]
         h = self.embed(x) + self.pos[:t]
         return self.head(self.encoder(h, mask=self.mask[:t, :t], is_causal=True))
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        if hp.optimizer == "adamw":
-            return _with_step_decay(torch.optim.AdamW(self.parameters(), lr=hp.lr), hp)
-        return _with_step_decay(torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum), hp)
 
 
 #: VGG-11 (Simonyan & Zisserman 2015, Table 1, configuration "A"): conv widths as multiples of the first, "M" a
@@ -366,11 +379,7 @@ class WordTransformerLM(_LanguageModel):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
-        if optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr!r}")
-        _check_step_decay(lr_milestones, lr_gamma)
+        self._check_training(optimizer, lr, lr_milestones, lr_gamma)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if not 0 <= dropout < 1:
@@ -378,19 +387,10 @@ class WordTransformerLM(_LanguageModel):
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, embed_dim)
         self.proj = nn.Linear(embed_dim, dim)
-        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=dropout, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab_size)
+        self._build_core(vocab_size, seq_len, dim, heads, layers, dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.shape[1]
         h = self.proj(self.embed(x)) + self.pos[:t]
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
         return self.head(self.encoder(h, mask=mask, is_causal=True))
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        if hp.optimizer == "adamw":
-            return _with_step_decay(torch.optim.AdamW(self.parameters(), lr=hp.lr), hp)
-        return _with_step_decay(torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum), hp)

@@ -302,7 +302,7 @@ def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path
     """A grouped row's columns are rank 0's ``bytes_inter`` and its blocked seconds inside / between replicas; a
     flat row (every rank a replica) sent all its bytes and was blocked only between replicas; a table without
     grouped rows has none of these columns."""
-    from lightning_sync.benchmark import report
+    from lightning_sync.benchmark import tables
     from lightning_sync.benchmark.runs import RunResult, Target
     from lightning_sync.benchmark.ttt import Outcome
 
@@ -319,25 +319,25 @@ def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path
     target = Target("val_acc", 0.5, "max")
     grouped_runs = [run("localsgd (replica_size=2)", s, 40.0 + 2 * s, 2.0 + s, 6.0 + s) for s in (0, 1)]
     results = [run("ddp", s, nan) for s in (0, 1)] + grouped_runs
-    rows = report.table_rows(["ddp", "localsgd (replica_size=2)"], results)
+    rows = tables.table_rows(["ddp", "localsgd (replica_size=2)"], results)
     assert [row["inter_bytes"] for row in rows] == [1000.0, 41.0]
     assert [row["blocked_inter_s"] for row in rows] == [9.0, 6.5] and rows[1]["blocked_intra_s"] == 2.5
-    header, _, ddp, grouped = report.markdown(rows, target).splitlines()
+    header, _, ddp, grouped = tables.markdown(rows, target).splitlines()
     assert "| bytes sent / rank | bytes between replicas / replica |" in header
     assert "| blocked s | blocked s inside replica | blocked s between replicas |" in header
     assert "| 1,000 | 1,000 |" in ddp and "| 1,000 | 41 |" in grouped
     assert "| 9.0 | – | 9.0 |" in ddp and "| 9.0 | 2.5 | 6.5 |" in grouped
-    assert "Bytes between replicas / replica" in report.legend(target, 2, rows)
-    report.write_csv(rows, tmp_path / "table.csv")
-    report.write_runs(results, tmp_path / "runs.csv")
+    assert "Bytes between replicas / replica" in tables.legend(target, 2, rows)
+    tables.write_csv(rows, tmp_path / "table.csv")
+    tables.write_runs(results, tmp_path / "runs.csv")
     for name in ("table.csv", "runs.csv"):
         head = (tmp_path / name).read_text().splitlines()[0]
         assert "inter_bytes" in head and "blocked_intra_s" in head and "blocked_inter_s" in head
-    flat = report.table_rows(["ddp"], results[:2])
+    flat = tables.table_rows(["ddp"], results[:2])
     assert not {"inter_bytes", "blocked_intra_s", "blocked_inter_s"} & set(flat[0])
-    assert "between replicas" not in report.markdown(flat, target)
-    assert "between replicas" not in report.legend(target, 2, flat)
-    report.write_runs(results[:2], tmp_path / "flat_runs.csv")
+    assert "between replicas" not in tables.markdown(flat, target)
+    assert "between replicas" not in tables.legend(target, 2, flat)
+    tables.write_runs(results[:2], tmp_path / "flat_runs.csv")
     assert "inter_bytes" not in (tmp_path / "flat_runs.csv").read_text()
     assert "blocked_inter_s" not in (tmp_path / "flat_runs.csv").read_text()
 
@@ -345,8 +345,7 @@ def test_the_table_shows_bytes_between_replicas_when_a_row_runs_grouped(tmp_path
 def test_runs_are_listed_as_they_finish_so_a_compare_stopped_before_its_report_can_be_merged(tmp_path, monkeypatch):
     """``summary.json`` (marked incomplete) is written before the first run and ``runs.csv`` after each run, so a
     compare that stops before its report (here: a plot that fails) leaves what ran, and ``--merge`` renders it."""
-    from lightning_sync import compare
-    from lightning_sync.benchmark import report
+    from lightning_sync.benchmark import grid, plots
     from lightning_sync.benchmark.runs import finish_run
 
     out = tmp_path / "out"
@@ -367,8 +366,8 @@ def test_runs_are_listed_as_they_finish_so_a_compare_stopped_before_its_report_c
     def broken_plot(*args, **kwargs):
         raise RuntimeError("the plot failed")
 
-    monkeypatch.setattr(compare, "run_one", fake_run_one)
-    monkeypatch.setattr(report, "plot_curves", broken_plot)
+    monkeypatch.setattr(grid, "run_one", fake_run_one)
+    monkeypatch.setattr(plots, "plot_curves", broken_plot)
     argv = ["--workload", "digits", "--strategies", "ddp,localsgd", "--seeds", "2", "--no-workers", "--target", "0.9"]
     with pytest.raises(RuntimeError, match="the plot failed"):
         compare_main([*argv, "--out", str(out)])

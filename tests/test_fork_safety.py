@@ -210,3 +210,51 @@ def test_a_rank_whose_dataloader_worker_never_delivers_stops_within_the_strategy
     rank1 = json.loads((tmp_path / "res_rank1.json").read_text())
     assert rank1["error"] is not None and "DataLoader timed out after 5" in rank1["error"]
     assert rank1["s"] < 60  # the strategy's timeout (5 s), not forever
+
+
+# ------------------------------------------------------------------- a rank that starts its epoch late
+def _late_rank(rank: int, out: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, EarlyStopping
+
+    import lightning_sync
+    from lightning_sync.launch import quiet_trainer_kwargs
+
+    exhausted = lightning_sync.ASPStrategy._on_exhausted
+
+    def on_exhausted(self, epoch: int) -> None:  # rank 0 says when it has taken every position it could
+        if self.global_rank == 0:
+            self._work.store.set(f"test/rank0_exhausted/{epoch}", "1")
+        exhausted(self, epoch)
+
+    lightning_sync.ASPStrategy._on_exhausted = on_exhausted
+
+    class Rank1StartsLate(Callback):
+        """Rank 1 starts each epoch only once rank 0 has claimed past its end (a slow start, a loaded machine)."""
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.global_rank == 1:
+                key = f"test/rank0_exhausted/{trainer.current_epoch}"
+                trainer.strategy._work.store.wait([key], timedelta(seconds=60))
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        **quiet_trainer_kwargs(), accelerator="cpu", devices=2, max_epochs=2,
+        strategy=lightning_sync.ASPStrategy(timeout=timedelta(seconds=30)),
+        callbacks=[Rank1StartsLate(), EarlyStopping(monitor="val_loss", patience=5)],
+    )
+    trainer.fit(_module(), DataLoader(_data(64, 0), batch_size=8), DataLoader(_data(16, 1), batch_size=8))
+    claimed = trainer.strategy.server_summary["batches_claimed"]
+    Path(out, f"res_rank{rank}.json").write_text(json.dumps({"epochs": trainer.current_epoch, "claimed": claimed}))
+
+
+def test_a_rank_that_starts_its_epoch_after_the_others_took_every_batch_still_trains_one_and_validates(tmp_path):
+    # found by benchmarks/fork_stress.py under load: the rank trained no batch, skipped the epoch-end validation the
+    # other ran, and the two met in different collectives (a hang until the timeout)
+    run_external(_late_rank, 2, str(tmp_path))
+    res = [json.loads((tmp_path / f"res_rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["epochs"] == 2
+    # rank 1's own first position, then its claim past the end; rank 0 took the other 7 and its claim past the end
+    assert res[1]["claimed"] == {"0": 2, "1": 2}
+    assert res[0]["claimed"] == {"0": 8, "1": 8}

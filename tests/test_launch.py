@@ -68,6 +68,7 @@ def test_lightning_cli_yaml_class_path(tmp_path):
             "--trainer.max_steps=5",
             "--trainer.limit_val_batches=2",
             "--trainer.enable_progress_bar=false",
+            "--trainer.log_every_n_steps=2",  # (the YAML's 10 would write no row in 5 steps)
             "--trainer.strategy.init_args.delta=0.0",
             "--trainer.strategy.init_args.vote=exact",  # Alg. 1's order: the step that voted syncs
             "--trainer.strategy.init_args.link=1gbit,1ms",
@@ -82,7 +83,10 @@ def test_lightning_cli_yaml_class_path(tmp_path):
     m = cli.trainer.callback_metrics
     assert m["sync/sync_steps"] == 5 and m["sync/lssr"] == 0.0  # delta=0 syncs every step
     assert m["sync/blocked_s"] >= 5 * 2 * 1e-3  # two collectives per step, each at least the 1 ms latency
-    assert (tmp_path / "selsync").exists()  # the CSV logger of the YAML wrote there
+    # the CSV logger of the YAML wrote there, SyncStats' values included (it logs to the loggers when there are any)
+    (csv,) = (tmp_path / "selsync").glob("version_*/metrics.csv")
+    header = csv.read_text().splitlines()[0].split(",")
+    assert {"sync/lssr", "sync/sync_steps", "sync/bytes_sent", "sync/blocked_s"} <= set(header)
 
 
 def test_bsp_yaml_parses():

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 from matplotlib.colors import to_rgba  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from lightning_sync.benchmark import report  # noqa: E402
+from lightning_sync.benchmark import plots, tables  # noqa: E402
 from lightning_sync.benchmark.runs import RunResult, Target  # noqa: E402
 from lightning_sync.benchmark.ttt import Outcome, summarize_runs  # noqa: E402
 
@@ -61,30 +61,30 @@ def test_styles_are_pairwise_distinct_for_any_number_of_rows_and_ddp_is_black_so
     for n in range(1, 41):
         labels = [f"method{i}" for i in range(n - 1)]
         labels.insert(n // 2, "ddp")
-        looks = report.styles(labels)
+        looks = plots.styles(labels)
         assert list(looks) == labels
         triples = {(to_rgba(s["color"]), s["linestyle"], s["marker"]) for s in looks.values()}
         assert len(triples) == n, n
         assert to_rgba(looks["ddp"]["color"]) == to_rgba("black") and looks["ddp"]["linestyle"] == "-"
         assert all(to_rgba(s["color"]) != to_rgba("black") for label, s in looks.items() if label != "ddp")
-        assert report.styles(labels) == looks  # deterministic
+        assert plots.styles(labels) == looks  # deterministic
     # the first rows differ in colour; ddp's place does not change the others' looks
-    assert len({s["color"] for s in report.styles([f"m{i}" for i in range(9)]).values()}) == 9
-    assert report.styles(["ddp", "a", "b"])["b"] == report.styles(["a", "b", "ddp"])["b"]
-    many = report.styles([f"m{i}" for i in range(400)])  # past the 180 triples of the palette: still distinct
+    assert len({s["color"] for s in plots.styles([f"m{i}" for i in range(9)]).values()}) == 9
+    assert plots.styles(["ddp", "a", "b"])["b"] == plots.styles(["a", "b", "ddp"])["b"]
+    many = plots.styles([f"m{i}" for i in range(400)])  # past the 180 triples of the palette: still distinct
     assert len({(s["color"], s["linestyle"], s["marker"]) for s in many.values()}) == 400
 
 
 def test_median_curve_by_hand_three_seeds():
     seeds = [([t for t, _ in s], [v for _, v in s], min(v for _, v in s) <= 17.0) for s in DDP_SEEDS]
-    times, median, low, high = report.median_curve(seeds)
+    times, median, low, high = plots.median_curve(seeds)
     assert times == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert median == DDP_MEDIAN and low == DDP_LOW and high == DDP_HIGH
     # without holding the seeds that reached the target, each seed stops at its last evaluation
-    _, median, _, _ = report.median_curve(seeds, hold_reached=False)
+    _, median, _, _ = plots.median_curve(seeds, hold_reached=False)
     assert median[-1] == 16.5
     # a NaN evaluation counts for nothing while it is the seed's latest; where no seed has a value, a gap
-    times, median, low, _ = report.median_curve([([1.0, 2.0], [math.nan, 20.0], False), ([3.0], [10.0], False)])
+    times, median, low, _ = plots.median_curve([([1.0, 2.0], [math.nan, 20.0], False), ([3.0], [10.0], False)])
     assert times == [1.0, 2.0, 3.0] and math.isnan(median[0]) and median[1:] == [20.0, 10.0] and low[2] == 10.0
 
 
@@ -93,13 +93,13 @@ def test_plot_curves_draws_one_median_line_per_method_in_its_style(tmp_path):
     results += [_run(tmp_path, "localsgd", seed, [(1.0, 25.0), (2.0 + seed, 16.0)]) for seed in range(3)]
     results.append(RunResult("nope", 0, "1gbit,1ms", tmp_path / "nope", error="unknown strategy"))  # no records
     labels = ["ddp", "nope", "localsgd"]
-    fig = report._curves_figure(results, PPL, "test", labels)
+    fig = plots._curves_figure(results, PPL, "test", labels)
     try:
         ax = fig.axes[0]
         lines = {line.get_gid(): line for line in ax.get_lines() if line.get_gid() in labels}
         assert sorted(lines) == ["ddp", "localsgd"]  # one line per method with evaluations
         assert len([line for line in ax.get_lines() if line.get_gid() in labels]) == 2
-        looks = report.styles(labels)
+        looks = plots.styles(labels)
         for label, line in lines.items():
             assert _look(line) == _expected(looks[label])
         assert lines["ddp"].get_linewidth() > lines["localsgd"].get_linewidth()  # the reference emphasised
@@ -130,7 +130,7 @@ def _rows(times: dict[str, list[float | None]]) -> list[dict]:
             else:
                 r.outcome = Outcome(reached=t is not None, time_s=t)
             results.append(r)
-    return report.table_rows(list(times), results)
+    return tables.table_rows(list(times), results)
 
 
 def test_time_to_target_bars_missed_never_a_number_ddp_marked_speedups_against_ddp(tmp_path):
@@ -142,7 +142,7 @@ def test_time_to_target_bars_missed_never_a_number_ddp_marked_speedups_against_d
         "nope": [None],
     }
     rows = _rows(times)
-    fig = report._ttt_figure(rows, PPL, "test")
+    fig = plots._ttt_figure(rows, PPL, "test")
     try:
         ax = fig.axes[0]
         bars = {p.get_gid(): p for p in ax.patches if isinstance(p, Rectangle) and p.get_gid()}
@@ -180,12 +180,12 @@ def test_time_to_target_bars_missed_never_a_number_ddp_marked_speedups_against_d
 
 def test_bandwidth_and_sync_plots_give_each_method_the_same_look(tmp_path):
     labels = ["ddp", "nope", "selsync", "localsgd"]
-    looks = report.styles(labels)
+    looks = plots.styles(labels)
     summaries = {
         1e8: {"ddp": summarize_runs([40.0]), "selsync": summarize_runs([None]), "localsgd": summarize_runs([8.0])},
         1e9: {"ddp": summarize_runs([10.0]), "selsync": summarize_runs([6.0]), "localsgd": summarize_runs([5.0])},
     }
-    fig = report._bandwidth_figure(summaries, PPL, labels=labels)
+    fig = plots._bandwidth_figure(summaries, PPL, labels=labels)
     try:
         lines = {line.get_gid(): line for line in fig.axes[0].get_lines() if line.get_gid()}
         assert sorted(lines) == ["ddp", "localsgd", "selsync"]
@@ -202,7 +202,7 @@ def test_bandwidth_and_sync_plots_give_each_method_the_same_look(tmp_path):
         logs.mkdir(parents=True)
         (logs / "metrics.csv").write_text("step,sync/lssr,sync/period\n1,0.5,2\n2,0.6,2\n")
         results.append(r)
-    fig = report._sync_figure(results, labels)
+    fig = plots._sync_figure(results, labels)
     try:
         lines = [line for ax in fig.axes for line in ax.get_lines()]
         assert {line.get_gid() for line in lines} == {"selsync", "localsgd"} and len(lines) == 4  # LSSR, period
@@ -213,7 +213,7 @@ def test_bandwidth_and_sync_plots_give_each_method_the_same_look(tmp_path):
 
 
 def test_write_report_writes_the_bar_chart_beside_each_table(tmp_path):
-    from lightning_sync.compare import write_report
+    from lightning_sync.benchmark.merge import write_report
 
     results = [_run(tmp_path / "runs", "ddp", seed, evals) for seed, evals in enumerate(DDP_SEEDS)]
     results += [_run(tmp_path / "runs", "localsgd", seed, [(1.0, 25.0), (2.0 + seed, 16.0)]) for seed in range(3)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -123,9 +124,15 @@ def _suite(rank: int, out_dir: str) -> None:
     fit("ddp_mlp", DDPStrategy(), **mlp)
     tr, _ = fit("sync_switch_bsp", SyncSwitchStrategy(), max_epochs=4, **mlp)
     res["sync_switch_bsp"] = [tr.strategy.protocol, len(tr.strategy.switches), tr.strategy.comm_stats.ops["grads"]]
-    # float32: what is bit-exact (replicas identical after every sync) and the accounting
-    tr, _ = fit("bsp", BSPStrategy(verify_sync=True))
+    # float32: what is bit-exact (replicas identical after every sync) and the accounting. Its SyncStats is the
+    # strategy's default one and the Trainer has no logger (logger=False): Lightning's "no logger configured" warning
+    # must not come (SyncStats logs to the loggers only when there is one), the values still reach callback_metrics
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr, _ = fit("bsp", BSPStrategy(verify_sync=True))
     res["bsp"] = tr.strategy.sync_metrics()
+    res["bsp_no_logger_warnings"] = [str(w.message) for w in caught if "no logger configured" in str(w.message)]
+    res["bsp_callback_metrics"] = sorted(k for k in tr.callback_metrics if k.startswith("sync/"))
     tr, _ = fit("sel0_f32", SelSyncStrategy(delta=0.0, verify_sync=True))
     res["sel0"] = tr.strategy.sync_metrics()
 
@@ -267,6 +274,13 @@ def test_replicas_identical_after_sync_in_bsp(suite):
     _, params = suite
     for name in ("bsp", "sel0_f32", "bsp64", "sel0"):
         assert _max_diff(params(name, 0), params(name, 1)) == 0.0
+
+
+def test_default_sync_stats_without_a_logger_does_not_warn(suite):
+    res, _ = suite
+    for r in res:
+        assert r["bsp_no_logger_warnings"] == []  # (Lightning warns on rank 0: one warning per value logged, before)
+    assert {"sync/lssr", "sync/sync_steps", "sync/bytes_sent"} <= set(res[0]["bsp_callback_metrics"])
 
 
 def test_large_delta_is_local_only(suite):

@@ -93,8 +93,8 @@ def test_speedup_only_between_two_means():
 
 
 def test_table_shows_missed_runs_as_missed(tmp_path):
-    from lightning_sync.benchmark.report import markdown, table_rows
     from lightning_sync.benchmark.runs import RunResult
+    from lightning_sync.benchmark.tables import markdown, table_rows
 
     def result(label, seed, values, ok=True):
         r = RunResult(label, seed, "1gbit,1ms", tmp_path / label / str(seed), ok=ok)
@@ -335,8 +335,8 @@ def test_merge_renders_earlier_outputs_as_one_report(tmp_path):
     """E.g. 5 seeds at 1 Gbit/s and 3 at 100 Mbit/s, run as two commands, become one report with the bandwidth plot."""
     import json
 
-    from lightning_sync.benchmark.report import write_runs
     from lightning_sync.benchmark.runs import RunResult
+    from lightning_sync.benchmark.tables import write_runs
     from lightning_sync.compare import main as compare_main
 
     def folder(name, link, seeds, ddp_s, fast_s):
@@ -534,8 +534,8 @@ def _experiment(folder: Path) -> dict[Path, bytes]:
     record), and the bytes of every file below it."""
     import json
 
-    from lightning_sync.benchmark.report import write_runs
     from lightning_sync.benchmark.runs import RunResult
+    from lightning_sync.benchmark.tables import write_runs
 
     def row(method, mean, speedup):
         return {"method": method, "runs": 2, "reached": 2, "mean_s": mean, "min_s": mean, "max_s": mean,

@@ -105,7 +105,9 @@ def test_ranks_laid_out_as_one_device_nodes_train_what_one_node_of_ranks_trains(
     """``--accelerator gpu`` on a one-GPU machine lays the ranks out as one-device nodes (``NODE_RANK=r``,
     ``LOCAL_RANK=0``, ``devices=1``, ``num_nodes`` = ranks, gloo). The same layout on the CPU trains what the ranks of
     one node train: the same first batch, steps and metric values."""
-    from lightning_sync.compare import build_rows, parse_args, prepare, run_grid, write_report
+    from lightning_sync.benchmark.grid import run_grid
+    from lightning_sync.benchmark.merge import write_report
+    from lightning_sync.compare import build_rows, parse_args, prepare
 
     def grid_of(name: str, nodes: bool):
         args, extra, parser = parse_args([*GRID, "--strategies", "ddp,localsgd", "--out", str(tmp_path / name)])

@@ -1,7 +1,8 @@
 """The time-to-target harness behind ``lightning-sync compare``: the :class:`TimeToTarget` callback that records
 every evaluation where it happens, the arithmetic over seeds (:mod:`~lightning_sync.benchmark.ttt`), per-workload
-recipes (:mod:`~lightning_sync.benchmark.recipes`), the runs (:mod:`~lightning_sync.benchmark.runs`) and the
-tables and plots (:mod:`~lightning_sync.benchmark.report`).
+recipes (:mod:`~lightning_sync.benchmark.recipes`), the runs (:mod:`~lightning_sync.benchmark.runs`), the grid
+(:mod:`~lightning_sync.benchmark.grid`), the tables (:mod:`~lightning_sync.benchmark.tables`), the plots
+(:mod:`~lightning_sync.benchmark.plots`) and the report (:mod:`~lightning_sync.benchmark.merge`).
 
 ``TimeToTarget`` is imported lazily (it pulls in Lightning, seconds to import), so the pure parts stay cheap.
 """

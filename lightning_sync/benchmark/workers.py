@@ -5,7 +5,7 @@ A ``compare`` grid is many short fits: on the packaged workloads a run trains fo
 process of every run. Here the ``devices`` processes are started once, torchrun-style (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: Lightning launches nothing), and each runs the grid's fits one after
 the other: the same ``lightning-sync fit`` arguments (base config + the run's overlay), through the same
-:class:`~lightning_sync.cli.SyncCLI`, in the same order as the subprocess mode.
+:class:`~lightning_sync.trainer_cli.SyncCLI`, in the same order as the subprocess mode.
 
 **What this changes for timing, and what it does not.** Time to target is measured by
 :class:`~lightning_sync.benchmark.TimeToTarget` from the ``setup`` of ``fit`` in both modes, so neither counts the
@@ -74,8 +74,8 @@ def _emit(line: str) -> None:
 def worker_main(plan_path: str, start: int) -> None:
     """One worker process: the warm-up fit, then the plan's runs from ``start`` on, each a ``SyncCLI`` fit in this
     process. Exits at once (status 1) when a run raises: the parent starts new workers for the next run."""
-    from lightning_sync.cli import cli_main
     from lightning_sync.comm import destroy_default_group
+    from lightning_sync.trainer_cli import cli_main
 
     plan = json.loads(Path(plan_path).read_text())
     runs: list[dict[str, Any]] = plan["runs"]

@@ -40,7 +40,9 @@ class SyncStats(Callback):
     :meth:`~lightning_sync.strategies.SyncStrategy.sync_event_metrics` (ADPSGD: ``period``, ``s_k``, ``c2``).
 
     Values are rank 0's (loggers write on rank 0); with the all-reduce based strategies the counts are the same
-    on every rank. LSSR is also shown in the progress bar. The callback only reads the strategy's counters: it
+    on every rank. LSSR is also shown in the progress bar. Without a logger (``Trainer(logger=False)``) the values
+    still reach ``trainer.callback_metrics`` (and the progress bar), without Lightning's "no logger configured"
+    warning. The callback only reads the strategy's counters: it
     never communicates.
 
     Args:
@@ -67,6 +69,9 @@ class SyncStats(Callback):
             )
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
+        # to the loggers only when the Trainer has one (``logger=False`` is an ordinary configuration: Lightning
+        # would warn at every value); ``callback_metrics`` and the progress bar get the values either way
+        to_logger = bool(trainer.loggers)
         for key, value in metrics.items():
             pl_module.log(
                 self.prefix + key,
@@ -74,7 +79,7 @@ class SyncStats(Callback):
                 on_step=True,
                 on_epoch=False,
                 prog_bar=self.prog_bar and key == "lssr",
-                logger=True,
+                logger=to_logger,
                 rank_zero_only=True,
             )
 

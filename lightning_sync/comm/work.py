@@ -73,6 +73,11 @@ class WorkCounter:
         self.claims[epoch] = self.claims.get(epoch, 0) + 1
         return value
 
+    def own(self, epoch: int) -> None:
+        """Count a position of ``epoch`` this rank takes without asking the store (its own first batch of the epoch):
+        :attr:`claims` stays the number of positions the rank took, plus its one claim past the end."""
+        self.claims[epoch] = self.claims.get(epoch, 0) + 1
+
     def exhaust(self, epoch: int) -> None:
         key = self._key(epoch)
         self.stats.record_launch("work", self.request_bytes(key), blocking=True)

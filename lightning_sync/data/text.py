@@ -8,6 +8,7 @@ import gzip
 import hashlib
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -83,7 +84,8 @@ class TokenWindowsDataModule(pl.LightningDataModule):
     """What the text and words data modules share: a contiguous train/val/test split of one token-id sequence (the
     last ``val_fraction`` and ``test_fraction`` of it) and next-token windows of ``seq_len`` over each split —
     shuffled and resumable for training, in order for evaluation. Subclasses set ``seq_len``, ``batch_size``,
-    ``num_workers``, ``val_fraction``, ``test_fraction`` and call :meth:`_split` from ``setup``."""
+    ``num_workers``, ``val_fraction``, ``test_fraction``, ``vocab = None`` and implement :meth:`_encode`, which
+    builds ``vocab`` and returns the text's token ids; :meth:`setup` splits them once."""
 
     seq_len: int
     batch_size: int
@@ -91,6 +93,22 @@ class TokenWindowsDataModule(pl.LightningDataModule):
     val_fraction: float
     test_fraction: float
     splits: dict[str, Tensor]
+    vocab: Any
+
+    @property
+    def vocab_size(self) -> int:
+        self.setup()
+        assert self.vocab is not None
+        return len(self.vocab)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.vocab is not None:
+            return
+        self._split(self._encode())
+
+    def _encode(self) -> Tensor:
+        """Build ``self.vocab`` and return the token ids of the whole text."""
+        raise NotImplementedError
 
     def _split(self, ids: Tensor) -> None:
         n_test = int(len(ids) * self.test_fraction)
@@ -148,18 +166,9 @@ class PythonTextDataModule(TokenWindowsDataModule):
         self.vocab: CharVocab | None = None
         self.splits: dict[str, Tensor] = {}
 
-    @property
-    def vocab_size(self) -> int:
-        self.setup()
-        assert self.vocab is not None
-        return len(self.vocab)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.vocab is not None:
-            return
+    def _encode(self) -> Tensor:
         text = python_help_text()
         self.vocab = CharVocab(text)  # over the whole text, so every split encodes
         if self.max_chars is not None:
             text = text[: self.max_chars]
-        ids = self.vocab.encode(text)
-        self._split(ids)
+        return self.vocab.encode(text)

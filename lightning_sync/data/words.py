@@ -76,16 +76,7 @@ class PythonWordsDataModule(TokenWindowsDataModule):
         self.vocab: WordVocab | None = None
         self.splits: dict[str, Tensor] = {}
 
-    @property
-    def vocab_size(self) -> int:
-        self.setup()
-        assert self.vocab is not None
-        return len(self.vocab)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.vocab is not None:
-            return
+    def _encode(self) -> Tensor:
         tokens = tokenize_words(python_help_text())
         self.vocab = WordVocab(tokens, self.max_vocab)
-        ids = self.vocab.encode(tokens)
-        self._split(ids)
+        return self.vocab.encode(tokens)

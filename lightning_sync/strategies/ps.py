@@ -105,6 +105,7 @@ class ParameterServerStrategy(SyncStrategy):
         self._sigterm_seen = False
         self._warned_local_logs: set[str] = set()
         self.exhausted_epochs = 0
+        self._first_claimed: int | None = None  # the last epoch whose first batch (position = rank) was handed out
         self._resume_epoch: int | None = None  # after a resume: the epoch the first training iteration trains
         #: after fit: this rank's final server and worker counters (pushes, parameters received, SSP clock log, ...)
         self.server_summary: dict[str, Any] = {}
@@ -163,12 +164,30 @@ class ParameterServerStrategy(SyncStrategy):
                 # trains: a hang). This rank's restored count of finished epochs is the epoch it resumes.
                 epoch, self._resume_epoch = max(epoch, self._resume_epoch), None
             dataloader.batch_sampler.set_epoch(epoch)
+            if dataloader.batch_sampler.num_batches < self.world_size:
+                raise ValueError(
+                    f"{type(self).__name__} gives every rank at least one batch of each epoch, and this training "
+                    f"loader has {dataloader.batch_sampler.num_batches} batches for {self.world_size} ranks: a rank "
+                    "without "
+                    "a batch would skip the epoch's validation while the others run it. Use a smaller batch size or "
+                    "more data (at least one batch per rank), or fewer ranks."
+                )
         return dataloader
 
     def _claim(self, epoch: int) -> int:
-        """The global batch position this rank trains next (subclasses may assign positions differently)."""
+        """The global batch position this rank trains next (subclasses may assign positions differently).
+
+        A rank's first batch of an epoch is its own, position ``rank``; the positions after the first
+        ``world_size`` are claimed from the shared counter. Claimed from the start, a rank that began its epoch late
+        (a slow DataLoader worker start, a loaded machine) could find every position taken and train no batch at
+        all: Lightning then never reaches that rank's last batch, so it skips the epoch-end validation the others
+        run, and the ranks meet in different collectives (a hang found by benchmarks/fork_stress.py, issue 61)."""
         assert self._work is not None
-        return self._work.claim(epoch)
+        if self._first_claimed != epoch:
+            self._first_claimed = epoch
+            self._work.own(epoch)
+            return self.global_rank
+        return self.world_size + self._work.claim(epoch)
 
     def _on_exhausted(self, epoch: int) -> None:
         """This rank found the epoch's data consumed: stop holding SSP back, then meet the other ranks (they all

@@ -1,259 +1,32 @@
-"""Tables and plots of a time-to-target comparison: one table per link (Markdown and CSV), every run in one CSV,
-the metric over wall time per link (the median over seeds per method), a bar chart of the time to target per link,
-the sync behaviour over steps, and time to target against bandwidth. Every plot of a report gives a method the same
-look (:func:`styles`)."""
+"""The plots of a time-to-target comparison: the metric over wall time per link (the median over seeds per method,
+:func:`plot_curves`), a bar chart of the time to target per link (:func:`plot_time_to_target`), the sync behaviour
+over steps (:func:`plot_sync`) and time to target against bandwidth (:func:`plot_bandwidth`). Every plot of a report
+gives a method the same look (:func:`styles`); :func:`errorbar_line` and :func:`bandwidth_axes` draw a method's
+values against bandwidth (also ``benchmarks/bandwidth_grid.py``'s speedups). The tables are
+:mod:`~lightning_sync.benchmark.tables`."""
 
 from __future__ import annotations
 
-import csv
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_sync.benchmark.runs import REFERENCE, RunResult, Target
-from lightning_sync.benchmark.ttt import Summary, speedup, summarize_runs
+from lightning_sync.benchmark.ttt import Summary
 
 __all__ = [
-    "COLUMNS",
-    "markdown",
+    "bandwidth_axes",
+    "errorbar_line",
     "median_curve",
+    "outside_legend",
     "plot_bandwidth",
     "plot_curves",
     "plot_sync",
     "plot_time_to_target",
+    "rate",
     "styles",
-    "table_rows",
-    "write_csv",
-    "write_runs",
 ]
-
-MISSED = "missed"
-
-
-def _mean(values: Sequence[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return sum(values) / len(values) if values else math.nan
-
-
-def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: str = REFERENCE) -> list[dict[str, Any]]:
-    """One row per label (in order): how many runs reached the target, the mean time to target (fastest and slowest
-    dropped from 5 runs on; missed unless every run kept reached it), min, max, speedup vs ``reference``, and the
-    means over the runs that reached it of steps, bytes sent per rank, blocked and evaluation seconds and LSSR at
-    the target, and the best metric value (mean over runs). When some row ran with replica groups, every row also
-    has ``inter_bytes``: the bytes a replica sent between replicas (rank 0's ``bytes_inter``; a row without groups,
-    every rank a replica, sent all its bytes between replicas: its ``bytes_per_rank``), and the seconds rank 0 was
-    blocked inside its replica (``blocked_intra_s``; none without groups) and between replicas
-    (``blocked_inter_s``; without groups: its ``blocked_s``)."""
-    by_label: dict[str, list[RunResult]] = {label: [] for label in labels}
-    for r in results:
-        by_label.setdefault(r.label, []).append(r)
-    summaries: dict[str, Summary | None] = {}
-    for label, runs in by_label.items():
-        # a run that failed counts as missed; a method none of whose runs ran is a failed row (with the error)
-        times = [r.outcome.time_s if r.ok and r.outcome is not None else None for r in runs]
-        summaries[label] = summarize_runs(times) if any(r.ok for r in runs) else None
-    ref = summaries.get(reference)
-    rows = []
-    for label, runs in by_label.items():
-        s = summaries[label]
-        row: dict[str, Any] = {"method": label, "runs": len(runs)}
-        failed = [r for r in runs if not r.ok]
-        if failed:
-            row["error"] = "; ".join(sorted({r.error for r in failed}))[:300]
-        if s is None:
-            rows.append(row)
-            continue
-        at = [r.outcome for r in runs if r.ok and r.outcome is not None and r.outcome.reached]
-        ran = [r.outcome for r in runs if r.ok and r.outcome is not None]
-        row.update(
-            reached=s.reached,
-            mean_s=s.mean_s,
-            min_s=s.min_s,
-            max_s=s.max_s,
-            dropped_extremes=s.dropped_extremes,
-            speedup=speedup(ref, s) if label != reference else (1.0 if s.mean_s is not None else None),
-            steps=_mean([o.steps for o in at]),
-            bytes_per_rank=_mean([o.bytes_per_rank for o in at]),
-            inter_bytes=_mean([o.inter_bytes for o in at]),
-            blocked_s=_mean([o.blocked_s for o in at]),
-            blocked_intra_s=_mean([o.blocked_intra_s for o in at]),
-            blocked_inter_s=_mean([o.blocked_inter_s for o in at]),
-            eval_s=_mean([o.eval_s for o in at]),
-            lssr=_mean([o.lssr for o in at]),
-            best=_mean([o.best for o in ran]),
-        )
-        row["summary"] = s
-        rows.append(row)
-    if any(_has_inter(row) for row in rows):  # replica groups in this table: every row gets the column
-        for row in rows:
-            if "reached" in row and not _has_inter(row):
-                row["inter_bytes"] = row["bytes_per_rank"]
-                row["blocked_inter_s"] = row["blocked_s"]
-    else:
-        for row in rows:
-            for key in _GROUPED:
-                row.pop(key, None)
-    return rows
-
-
-#: the columns a table has only when some row ran with replica groups
-_GROUPED = ("inter_bytes", "blocked_intra_s", "blocked_inter_s")
-
-
-def _has_inter(row: dict[str, Any]) -> bool:
-    value = row.get("inter_bytes")
-    return value is not None and not math.isnan(value)
-
-
-COLUMNS = [
-    ("method", "method"),
-    ("reached", "reached"),
-    ("mean_s", "time to target s"),
-    ("min_s", "min s"),
-    ("max_s", "max s"),
-    ("speedup", "speedup vs ddp"),
-    ("steps", "steps"),
-    ("bytes_per_rank", "bytes sent / rank"),
-    ("inter_bytes", "bytes between replicas / replica"),  # only in tables with replica groups (:func:`table_rows`)
-    ("blocked_s", "blocked s"),
-    ("blocked_intra_s", "blocked s inside replica"),  # these two only with replica groups, as inter_bytes
-    ("blocked_inter_s", "blocked s between replicas"),
-    ("eval_s", "eval s"),
-    ("lssr", "LSSR"),
-    ("best", "best"),
-]
-
-
-def _fmt(key: str, value: Any, row: dict[str, Any]) -> str:
-    if key == "method":
-        return str(value)
-    if key == "reached":
-        return f"{value}/{row['runs']}" if value is not None else f"0/{row['runs']}"
-    if key in ("mean_s", "min_s", "max_s"):
-        if value is None:
-            return MISSED if row.get("reached") is not None else "–"
-        text = f"{value:.1f}"
-        return text + " *" if key == "mean_s" and row.get("dropped_extremes") else text
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    if key == "speedup":
-        return f"{value:.2f}x"
-    if key in ("bytes_per_rank", "inter_bytes"):
-        return f"{value:,.0f}"
-    if key == "steps":
-        return f"{value:.0f}"
-    if key in ("lssr",):
-        return f"{value:.3f}"
-    return f"{value:.4g}" if key == "best" else f"{value:.1f}"
-
-
-def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The table's columns: the bytes and blocked seconds per level only when a row ran with replica groups."""
-    inter = any("inter_bytes" in row for row in rows)
-    return [(key, label) for key, label in COLUMNS if key not in _GROUPED or inter]
-
-
-def markdown(rows: list[dict[str, Any]], target: Target) -> str:
-    """The table as Markdown; a failed method's row says why."""
-    columns = _columns(rows)
-    labels = [label if key != "best" else f"best {target.metric}" for key, label in columns]
-    lines = ["| " + " | ".join(labels) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        if "reached" not in row:
-            error = row.get("error", "no run").replace("|", "/")[:160]
-            lines.append(f"| {row['method']} | failed: {error} |" + " |" * (len(columns) - 2))
-            continue
-        lines.append("| " + " | ".join(_fmt(k, row.get(k), row) for k, _ in columns) + " |")
-    return "\n".join(lines)
-
-
-def legend(target: Target, seeds: int, rows: list[dict[str, Any]] | None = None) -> str:
-    """What the table's columns mean (printed under it); ``rows``: the table's, for its optional columns."""
-    text = (
-        f"Target: {target.describe()} on the validation set. Time to target: wall seconds from the start of fit to the "
-        f"end of the first evaluation that met it (evaluation included), mean over {seeds} seed(s)"
-        + (" after dropping the fastest and the slowest (*)" if seeds >= 5 else "")
-        + "; a run that never met it within its budget is missed, and a mean over a missed run is missed. Speedup: "
-        "ddp's mean over the row's. Steps, bytes, blocked and evaluation seconds and LSSR are at the target (means "
-        "over the runs that reached it); best: the best value of the metric over the run (mean over runs)."
-    )
-    if rows is not None and any("inter_bytes" in row for row in rows):
-        text += (
-            " Bytes between replicas / replica: with replica groups (replica_size), what rank 0 — the first "
-            "replica's leader, the one rank per replica that syncs between replicas — sent outside its replica "
-            "(bytes sent / rank also counts the traffic inside the replica); a row without replica groups is one "
-            "replica per rank, and all its bytes are sent between replicas. Blocked s inside replica / between "
-            "replicas: rank 0's blocked seconds split the same way (a row without replica groups is blocked only "
-            "between replicas)."
-        )
-    return text
-
-
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    keys = ["method", "runs"] + [k for k, _ in _columns(rows) if k != "method"] + ["dropped_extremes", "error"]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
-
-
-def write_runs(results: Sequence[RunResult], path: Path) -> None:
-    """Every run, one line each: its link, method, seed, outcome and folder."""
-    keys = [
-        "link",
-        "method",
-        "seed",
-        "ok",
-        "reached",
-        "time_s",
-        "steps",
-        "bytes_per_rank",
-        "blocked_s",
-        "eval_s",
-        "lssr",
-        "best",
-        "evaluations",
-        "wall_s",
-        "end_steps",
-        "first_batch",
-        "seconds",
-        "killed",
-        "error",
-        "run_dir",
-    ]
-    inter = any(r.outcome is not None and not math.isnan(r.outcome.inter_bytes) for r in results)
-    if inter:  # replica groups in this report: the bytes sent and the seconds blocked per level (rank 0's)
-        keys.insert(keys.index("bytes_per_rank") + 1, "inter_bytes")
-        keys[keys.index("blocked_s") + 1 : keys.index("blocked_s") + 1] = ["blocked_intra_s", "blocked_inter_s"]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        for r in results:
-            o = r.outcome
-            line = {"link": r.link, "method": r.label, "seed": r.seed, "ok": r.ok, "seconds": round(r.seconds, 3)}
-            line.update(killed=r.killed, error=r.error, run_dir=str(r.run_dir))
-            if o is not None:
-                line.update(
-                    reached=o.reached,
-                    time_s="" if o.time_s is None else o.time_s,
-                    steps=o.steps,
-                    bytes_per_rank=o.bytes_per_rank,
-                    blocked_s=o.blocked_s,
-                    eval_s=o.eval_s,
-                    lssr=o.lssr,
-                    best=o.best,
-                    evaluations=o.evaluations,
-                    wall_s=o.wall_s,
-                    end_steps=o.end_steps,
-                    first_batch=o.first_batch,
-                )
-                if inter:
-                    for key in _GROUPED:
-                        value = getattr(o, key)
-                        line[key] = "" if math.isnan(value) else value
-            writer.writerow(line)
 
 
 def _pyplot() -> Any:
@@ -314,7 +87,7 @@ def _order(labels: Sequence[str] | None, found: Sequence[str]) -> list[str]:
     return order + [label for label in dict.fromkeys(found) if label not in order]
 
 
-def _legend(ax: Any, handles: list[Any], names: list[str]) -> None:
+def outside_legend(ax: Any, handles: list[Any], names: list[str]) -> None:
     """A legend outside the axes, on the right (two columns past 20 entries), so it never covers data."""
     ax.legend(
         handles,
@@ -461,7 +234,7 @@ def _curves_figure(
     )
     if not series:
         ax.text(0.5, 0.5, "no evaluation recorded", transform=ax.transAxes, ha="center", color="grey")
-    _legend(ax, handles, names)
+    outside_legend(ax, handles, names)
     return fig
 
 
@@ -660,7 +433,7 @@ def _sync_figure(results: Sequence[RunResult], labels: Sequence[str] | None = No
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
     if handles:
-        _legend(axes[-1], list(handles.values()), list(handles))
+        outside_legend(axes[-1], list(handles.values()), list(handles))
     fig.suptitle("sync behaviour over steps (the first seed of each method)", fontsize=10)
     fig.tight_layout()
     return fig
@@ -673,19 +446,71 @@ def plot_sync(results: Sequence[RunResult], path: Path, labels: Sequence[str] | 
 
 
 # ---------------------------------------------------------------------------------------------- bandwidth
-def _rate(bits_per_second: float) -> str:
+def rate(bits_per_second: float) -> str:
+    """A link's bandwidth in bits/s as a tick label: ``1 Gbit/s``, ``100 Mbit/s``."""
     for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits_per_second >= scale:
             return f"{bits_per_second / scale:g} {unit}"
     return f"{bits_per_second:g} bit/s"
 
 
+def errorbar_line(
+    ax: Any,
+    method: str,
+    look: dict[str, str],
+    xs: Sequence[float],
+    ys: Sequence[float],
+    low: Sequence[float],
+    high: Sequence[float],
+    missed: Sequence[float],
+    missed_at: float,
+    reference: bool = False,
+) -> tuple[Any, str] | None:
+    """One method's values against bandwidth: a line through ``(xs, ys)`` with error bars ``low`` below and ``high``
+    above each point, in the method's ``look`` (:func:`styles`; thicker and on top for the ``reference``), its line
+    given the method's name as gid; each bandwidth in ``missed`` an ``x`` at ``missed_at`` (an edge of the axes: a
+    missed value is never a number). Returns the legend's handle and name (``"<method> (missed)"`` when every value
+    was missed), or ``None`` when there is nothing to draw."""
+    handle = None
+    if xs:
+        handle = ax.errorbar(
+            xs,
+            ys,
+            yerr=[low, high],
+            marker=look["marker"],
+            linestyle=look["linestyle"],
+            color=look["color"],
+            linewidth=2.6 if reference else 1.5,
+            capsize=3,
+            zorder=4 if reference else 3,
+        )
+        handle[0].set_gid(method)  # the line through the values (not its caps)
+    if missed:
+        dots = ax.scatter(missed, [missed_at] * len(missed), marker="x", color=look["color"], zorder=4)
+        handle = handle or dots
+    if handle is None:
+        return None
+    return handle, method if xs else f"{method} (missed)"
+
+
+def bandwidth_axes(ax: Any, bandwidths: Sequence[float], value: Callable[[float], str]) -> None:
+    """Log-log axes of a value against link bandwidth: a tick at each of ``bandwidths`` (bits/s) labelled as a rate
+    (:func:`rate`), the values' ticks labelled by ``value`` (e.g. ``lambda v: f"{v:g}"``)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(bandwidths, [rate(bw) for bw in bandwidths])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    formatter = FuncFormatter(lambda v, _: value(v))
+    ax.yaxis.set_major_formatter(formatter)
+    ax.yaxis.set_minor_formatter(formatter)
+
+
 def _bandwidth_figure(
     summaries: dict[float, dict[str, Summary]], target: Target, title: str = "", labels: Sequence[str] | None = None
 ) -> Any:
     """The figure of :func:`plot_bandwidth` (not saved); a method's line has its label as gid."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     finite = [
@@ -716,39 +541,17 @@ def _bandwidth_figure(
             ys.append(s.mean_s)
             lo.append(s.mean_s - (s.min_s if s.min_s is not None else s.mean_s))
             hi.append((s.max_s if s.max_s is not None else top) - s.mean_s)
-        handle = None
-        if xs:
-            handle = ax.errorbar(
-                xs,
-                ys,
-                yerr=[lo, hi],
-                marker=look["marker"],
-                linestyle=look["linestyle"],
-                color=look["color"],
-                linewidth=2.6 if reference else 1.5,
-                capsize=3,
-                zorder=4 if reference else 3,
-            )
-            handle[0].set_gid(method)  # the line through the means (not its caps)
-        if missed:
-            dots = ax.scatter(missed, [top] * len(missed), marker="x", color=look["color"], zorder=4)
-            handle = handle or dots
-        if handle is not None:
-            handles.append(handle)
-            names.append(method if xs else f"{method} (missed)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(sorted(summaries), [_rate(bw) for bw in sorted(summaries)])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    seconds = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(seconds)
-    ax.yaxis.set_minor_formatter(seconds)
+        drawn = errorbar_line(ax, method, look, xs, ys, lo, hi, missed, top, reference)
+        if drawn is not None:
+            handles.append(drawn[0])
+            names.append(drawn[1])
+    bandwidth_axes(ax, sorted(summaries), lambda v: f"{v:g}")
     ax.grid(True, which="major", alpha=0.3)
     ax.set_xlabel("link bandwidth (emulated; latency as given)")
     ax.set_ylabel("time to target (s)")
     ax.set_title(title or f"time to {target.describe()} (x on top: missed)", fontsize=10)
     if handles:
-        _legend(ax, handles, names)
+        outside_legend(ax, handles, names)
     return fig
 
 
