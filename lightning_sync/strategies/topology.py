@@ -28,15 +28,42 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
-from lightning_sync.comm import CommHandle, Communicator
+from lightning_sync.comm import CommHandle, Communicator, FlatState
 from lightning_sync.strategies.codec import ExactCodec
 
-if TYPE_CHECKING:
-    from lightning_sync.strategies.base import SyncStrategy
+
+class ReplicaHost(Protocol):
+    """What a topology uses of the strategy that owns it (:class:`~lightning_sync.strategies.SyncStrategy`): its
+    communicators and replica layout, its flat state and codec, and — fault-tolerant — its torchft glue."""
+
+    comm: Communicator
+    flat: FlatState
+    codec: ExactCodec
+    compressor: Any
+    fault_tolerance: Any
+    world_size: int
+    global_rank: int
+    num_replicas: int
+    replica_index: int
+    grouped: bool
+    _inter: Communicator | None
+    _ft: Any
+
+    def _share_in_replica(self, tensors: list[Tensor], tag: str) -> None: ...
+    def _new_inter_comm(self) -> Communicator | None: ...
+    def _finish_grad_buckets(self, comm: Communicator, tag: str) -> list[Tensor] | None: ...
+    def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None: ...
+    def _ft_all_reduce(
+        self, tensors: list[Tensor], tag: str, participants: Any = None, before_commit: Any = None
+    ) -> bool: ...
+    def _ft_launch(self, tensors: list[Tensor], tag: str) -> Any: ...
+    def _ft_finish(self, pending: Any) -> bool: ...
+    def _ft_verify(self, tensors: list[Tensor], what: str, committed: bool) -> None: ...
+    def _ft_current_quorum(self) -> Any: ...
 
 #: the exact codec (a flat run of one rank averages exactly whatever its compression)
 EXACT = ExactCodec()
@@ -59,7 +86,7 @@ class InFlight:
 class Topology(ABC):
     """How the replicas of ``strategy`` average (see the module docstring)."""
 
-    def __init__(self, strategy: SyncStrategy) -> None:
+    def __init__(self, strategy: ReplicaHost) -> None:
         self.strategy = strategy
         self._side: Communicator | None = None  # a second group for averages in flight (open_side_channel)
 
@@ -251,7 +278,7 @@ class FaultTolerantTopology(Topology):
     """This replica group is one member of a torchft quorum; ``within`` is how the group's own ranks average
     (validation's mean over the group's world)."""
 
-    def __init__(self, strategy: SyncStrategy, within: Topology) -> None:
+    def __init__(self, strategy: ReplicaHost, within: Topology) -> None:
         super().__init__(strategy)
         self.within = within
 
@@ -293,7 +320,7 @@ class FaultTolerantTopology(Topology):
         """Nothing to open: an average in flight runs on torchft's own group over the quorum."""
 
 
-def topology_for(strategy: SyncStrategy) -> Topology:
+def topology_for(strategy: ReplicaHost) -> Topology:
     """The topology ``strategy`` runs: fault-tolerant, grouped or flat (at ``setup_environment``, after its groups)."""
     within: Topology = GroupedTopology(strategy) if strategy.grouped else FlatTopology(strategy)
     if strategy.fault_tolerance is not None:
