@@ -228,7 +228,7 @@ def adaptation_for(message: str) -> dict[str, Any] | None:
     return None
 
 
-#: ``--script``: the ordinary user scripts of the drop-in check (issue 57: more than one model)
+#: the ordinary user scripts of the drop-in check (issue 57: more than one model; ``dropin_grid.py --scripts``)
 SCRIPTS = ("cnn", "transformer")
 
 

@@ -154,6 +154,33 @@ def table(rows: list[dict[str, Any]], mean_margin: float = MEAN_MARGIN, seed_mar
     return "\n".join(lines)
 
 
+def summary(rows: list[dict[str, Any]], mean_margin: float = MEAN_MARGIN, seed_margin: float = SEED_MARGIN) -> str:
+    """One row per strategy, one column per script and configuration: the mean gap to ``ddp`` / the worst seed's gap
+    (points), the number of seeds, and FAIL where the rule fails; the first row is ``ddp``'s mean accuracy."""
+    found = verdicts(rows, mean_margin, seed_margin)
+    columns = sorted({(v["script"], v["config"]) for v in found}, key=lambda c: (c[0], c[1] != "fp32"))
+    cell = {(v["script"], v["config"], v["strategy"]): v for v in found}
+    names = [n for n in dropin.STRATEGIES if any(v["strategy"] == n for v in found)]
+    head = " | ".join(f"{s}, {c}" for s, c in columns)
+    lines = [f"| strategy | {head} |", "|---|" + "---:|" * len(columns)]
+    ddp = []
+    for column in columns:
+        v = next(v for v in found if (v["script"], v["config"]) == column)
+        ddp.append(f"{v['ddp_mean']:.4f}")
+    lines.append("| ddp (mean val acc) | " + " | ".join(ddp) + " |")
+    for name in names:
+        cells = []
+        for script, config in columns:
+            v = cell.get((script, config, name))
+            if v is None:
+                cells.append("")
+                continue
+            mark = "" if v["passes"] else " **FAIL**"
+            cells.append(f"{v['mean_gap']:+.2f} / {v['worst_gap']:+.1f} ({v['seeds']}){mark}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="the grid's folder: runs.jsonl and the runs' files (a rerun continues it)")
@@ -182,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[dropin_grid] {script}, {config}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         rows = read_runs(out / "runs.jsonl")
     print(table(rows, args.mean_margin, args.seed_margin))
+    print("\nmean gap / worst seed's gap to ddp, in points (seeds):\n")
+    print(summary(rows, args.mean_margin, args.seed_margin))
     failed = [v for v in verdicts(rows, args.mean_margin, args.seed_margin) if not v["passes"]]
     return 1 if failed else 0
 
