@@ -16,6 +16,7 @@ inside the warm-up epoch (33 steps), so C2 was the one sample after it: the row
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -28,6 +29,8 @@ import dropin
 import lightning.pytorch as pl
 
 ROWS = ("ddp", "adpsgd@sample_fraction=0.0@min_samples=1", "adpsgd")
+#: the last step of epoch 2 (0-based: 33 steps per epoch)
+EPOCH_2_END = 65
 
 
 class PeriodTrace(pl.Callback):
@@ -86,18 +89,28 @@ def main() -> None:
     parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum (the drop-in script's)")
     parser.add_argument("--trace-seed", type=int, default=2, help="print the ADPSGD rows' periods on this seed")
     parser.add_argument("--json", help="also write every run here")
+    parser.add_argument("--summarise", metavar="JSON", help="no runs: the tables of a --json file (.gz read too)")
     args = parser.parse_args()
-    from lightning_sync.launch import launch_local
+    if args.summarise:
+        raw = Path(args.summarise).read_bytes()
+        results = json.loads(gzip.decompress(raw) if args.summarise.endswith(".gz") else raw)
+        rows = list(dict.fromkeys(r["row"] for r in results))
+        args.seeds = sorted({r["seed"] for r in results})
+    else:
+        from lightning_sync.launch import launch_local
 
-    rows = dropin.split_rows(args.rows)
-    model_kwargs = {"lr": args.lr, "nesterov": args.nesterov}
-    with tempfile.TemporaryDirectory() as out:
-        launch_local(_worker, 2, out, rows, args.seeds, model_kwargs)
-        results = json.loads((Path(out) / "short.json").read_text())
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        rows = dropin.split_rows(args.rows)
+        model_kwargs = {"lr": args.lr, "nesterov": args.nesterov}
+        with tempfile.TemporaryDirectory() as out:
+            launch_local(_worker, 2, out, rows, args.seeds, model_kwargs)
+            results = json.loads((Path(out) / "short.json").read_text())
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
     ddp = {r["seed"]: r["val_acc"] for r in results if r["row"] == "ddp"}
-    print(f"max_lr={args.lr}, {'Nesterov' if args.nesterov else 'heavy-ball'} momentum, seeds {args.seeds}")
+    if args.summarise:
+        print(f"{args.summarise}: seeds {args.seeds}")
+    else:
+        print(f"max_lr={args.lr}, {'Nesterov' if args.nesterov else 'heavy-ball'} momentum, seeds {args.seeds}")
     print("| row | val acc mean | vs ddp (points) | worst seed vs ddp | per seed | LSSR |")
     print("|---|---:|---:|---:|---|---:|")
     for row in rows:
@@ -108,6 +121,19 @@ def main() -> None:
         per_seed = " ".join(f"{r['val_acc']:.3f}" for r in mine)
         mean_lssr = f"{statistics.mean(lssr):.3f}" if lssr else ""
         print(f"| {row} | {mean:.4f} | {statistics.mean(gaps):+.2f} | {min(gaps):+.1f} | {per_seed} | {mean_lssr} |")
+    print(f"\nthe period up to step {EPOCH_2_END} (the end of epoch 2), means over the seeds:")
+    print("| row | period there | increments up to there | averagings after the warm-up | largest period |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        runs = [r["syncs"] for r in results if r["row"] == row and r["syncs"]]
+        if not runs:
+            continue
+        there = [[s["period"] for s in syncs if s["step"] <= EPOCH_2_END][-1] for syncs in runs]
+        ups = [sum(b["period"] > a["period"] and b["step"] <= EPOCH_2_END for a, b in zip(x, x[1:])) for x in runs]
+        print(
+            f"| {row} | {statistics.mean(there):.1f} | {statistics.mean(ups):.1f} | "
+            f"{statistics.mean(len(x) for x in runs):.1f} | {max(s['period'] for x in runs for s in x)} |"
+        )
     for r in results:
         if r["seed"] == args.trace_seed and r["syncs"]:
             print(f"\n{r['row']}, seed {r['seed']}: val acc by step {[(s, round(v, 3)) for s, v in r['val']]}")
