@@ -80,7 +80,6 @@ def _run_ft(names: list[str], out: Path, lib_root: Path) -> None:
     one process per replica group running every case in turn."""
     from lightning_sync.launch import free_port, kill_session
 
-    ports = {name: [free_port(), free_port()] for name in names}
     env = _env(lib_root)
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
@@ -94,17 +93,18 @@ def _run_ft(names: list[str], out: Path, lib_root: Path) -> None:
         return p
 
     try:
-        all_ports = [p for pair in ports.values() for p in pair]
+        served = out / "lighthouses.json"
         lighthouse = start(
-            [sys.executable, str(HERE / "golden_cases.py"), "lighthouses", json.dumps(all_ports)],
+            [sys.executable, str(HERE / "golden_cases.py"), "lighthouses", str(2 * len(names)), str(served)],
             out / "lighthouses.log",
         )
         deadline = time.monotonic() + 300
-        while "serving" not in (out / "lighthouses.log").read_text():
+        while not served.exists():
             if lighthouse.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the lighthouses did not start:\n{(out / 'lighthouses.log').read_text()}")
             time.sleep(0.2)
-        urls = {n: [f"http://127.0.0.1:{p}" for p in pair] for n, pair in ports.items()}
+        addresses = json.loads(served.read_text())
+        urls = {n: addresses[2 * i : 2 * i + 2] for i, n in enumerate(names)}
         groups = [
             start(
                 [
@@ -250,6 +250,13 @@ def cmd_record(names: list[str], path: Path) -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
         records = run_cases(names, Path(tmp))
+    store(records, path)
+    print(f"golden: recorded {len(names)} case(s) into {path} in {time.monotonic() - start:.0f} s")
+
+
+def store(records: dict[str, Any], path: Path) -> None:
+    """Write ``records`` into the golden file ``path``, replacing those cases' entries and keeping the others."""
+    names = list(records)
     golden = json.loads(path.read_text()) if path.exists() else {"cases": {}}
     provenance = _provenance()
     for name in names:
@@ -258,7 +265,6 @@ def cmd_record(names: list[str], path: Path) -> None:
     golden["about"] = "recorded by python benchmarks/golden.py record; replayed by tests/test_golden.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(golden, indent=1) + "\n")
-    print(f"golden: recorded {len(names)} case(s) into {path} in {time.monotonic() - start:.0f} s")
 
 
 def _order(name: str) -> int:

@@ -16,7 +16,8 @@ A case is one strategy in one layout at one averaging precision, named ``<method
   Sync-Switch also runs ``flat`` with its BSP phase pinned: the parameters at the switch (identical on both ranks)
   and the BSP phase's traffic; what follows the switch is ASP on 2 ranks and is not recorded.
 
-and ``fp32`` (the data's own dtype on the wire) or ``bf16`` (``compression="bf16"``).
+and ``fp32`` (the data's own dtype on the wire) or ``bf16`` (``compression="bf16"``; not where the method refuses
+compression at construction: streaming DiLoCo, :data:`UNCOMPRESSED`).
 
 Every case trains :class:`~lightning_sync.models.DigitsCNN` (38k parameters, BatchNorm buffers) on
 :class:`~lightning_sync.data.DigitsDataModule` (batch 32) from seed 0 for ``EPOCHS`` epochs of ``BATCHES`` batches,
@@ -70,6 +71,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 GROUPED = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "diloco", "diloco_streaming")
 FAULT_TOLERANT = ("localsgd", "fedavg", "adpsgd", "diloco", "diloco_streaming")
 ASYNC = ("asp", "ssp", "aladdin", "sync_switch")
+#: methods whose settings refuse compression at construction (streaming DiLoCo's fragments are sent uncompressed)
+UNCOMPRESSED = ("diloco_streaming",)
 WORLD = {"flat": 2, "grouped": 4, "ft": 2, "single": 1}
 PRECISIONS = ("fp32", "bf16")
 
@@ -115,7 +118,7 @@ class Case:
 def _cases() -> dict[str, Case]:
     cases: list[Case] = []
     for method in METHODS:
-        for precision in PRECISIONS:
+        for precision in PRECISIONS if method not in UNCOMPRESSED else ("fp32",):
             if method in ASYNC:
                 if precision == "fp32":  # one rank sends nothing: compression never applies (bf16 is identical)
                     cases.append(Case(method, "single", precision))
@@ -232,13 +235,19 @@ def _mid_checkpoint(case: Case, root: Path) -> str:
     return str(root / "ckpt_a" / name)
 
 
-def run_case_on_rank(case: Case, root: Path, fault_tolerance: tuple[Any, Any] | None = None) -> dict[str, Any]:
+def run_case_on_rank(
+    case: Case, root: Path, fault_tolerance: tuple[Any, Any] | None = None, before_fit: Any = None
+) -> dict[str, Any]:
     """The full fit and the fit resumed from its middle, on this rank (``fault_tolerance``: the two fits'
-    ``FaultTolerance``)."""
+    ``FaultTolerance``; ``before_fit(run)``: called before each)."""
     ft_full, ft_resumed = fault_tolerance if fault_tolerance is not None else (None, None)
+    if before_fit is not None:
+        before_fit("a")
     full = _fit(case, root, "a", None, ft_full)
     if case.record == "bsp_phase":
         return {"full": full}
+    if before_fit is not None:
+        before_fit("b")
     resumed = _fit(case, root, "b", _mid_checkpoint(case, root), ft_resumed)
     return {"full": full, "resumed": resumed}
 
@@ -291,21 +300,35 @@ def ft_group_main(cfg: dict[str, Any]) -> None:
             )
             for url in cfg["lighthouses"][name]
         )
-        result = run_case_on_rank(case, root, fts)  # type: ignore[arg-type]
+
+        def together(run: str, case_dir: Path = root.parent) -> None:
+            """Wait until every group is here: a group starting its next fit while its peer still tears the last one
+            down fails to connect to it (and torchft's retry of the join then fails too)."""
+            (case_dir / f"ready_{run}_g{group}").touch()
+            deadline = time.monotonic() + TIMEOUT_S
+            while not all((case_dir / f"ready_{run}_g{g}").exists() for g in range(WORLD["ft"])):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"golden: the other replica group never reached {case_dir.name} fit {run}")
+                time.sleep(0.1)
+
+        result = run_case_on_rank(case, root, fts, together)  # type: ignore[arg-type]
         (root.parent / f"rank{group}.json").write_text(json.dumps(result, indent=1))
 
 
-def lighthouses_main(ports: list[int]) -> None:
-    """Serve a torchft lighthouse on each of ``ports`` (every quorum needs both replica groups) until SIGTERM."""
+def lighthouses_main(count: int, path: str) -> None:
+    """Serve ``count`` torchft lighthouses on free ports (every quorum needs both replica groups), write their URLs
+    to ``path`` as a JSON list, and serve until SIGTERM."""
     import signal
     import threading
 
     from lightning_sync.comm.ft import serve_lighthouse
 
-    servers = [serve_lighthouse(bind=f"[::]:{p}", min_replicas=WORLD["ft"]) for p in ports]
+    servers = [serve_lighthouse(bind="127.0.0.1:0", min_replicas=WORLD["ft"]) for _ in range(count)]
+    urls = [f"http://127.0.0.1:{s.address().rsplit(':', 1)[1]}" for s in servers]
+    Path(path + ".tmp").write_text(json.dumps(urls))
+    Path(path + ".tmp").rename(path)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"serving {len(servers)} lighthouses", flush=True)
     try:
         while not stop.wait(1.0):
             pass
@@ -317,7 +340,7 @@ def lighthouses_main(ports: list[int]) -> None:
 if __name__ == "__main__":  # started by golden.py
     if len(sys.argv) == 3 and sys.argv[1] == "ft-group":
         ft_group_main(json.loads(sys.argv[2]))
-    elif len(sys.argv) == 3 and sys.argv[1] == "lighthouses":
-        lighthouses_main(json.loads(sys.argv[2]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "lighthouses":
+        lighthouses_main(int(sys.argv[2]), sys.argv[3])
     else:
         raise SystemExit("usage: python benchmarks/golden_cases.py ft-group|lighthouses '<json>' (golden.py's)")
