@@ -11,7 +11,9 @@ rank: the final model's sha256 and statistics, the bytes and collectives per tag
     python benchmarks/golden.py check [--cases PATTERN]       # the recorded values, within the CI test's tolerance
 
 ``--cases`` takes shell patterns (``fnmatch``), comma-separated, matched against ``<method>/<layout>/<precision>``
-names: ``'adpsgd*'``, ``'*/grouped/*'``, ``'*/ft/*,bsp/*'``.
+names: ``'adpsgd*'``, ``'*/grouped/*'``, ``'*/ft/*,bsp/*'``. Without it: every recorded case; the fault-tolerant
+cases (``*/ft/*``) are in the registry but not recorded yet (they fail intermittently here: see
+``golden_cases.py``), so they run only when named.
 
 **Before a refactoring commit lands**: ``compare --ref <the commit before it>`` runs every case on a temporary git
 worktree of the reference commit and on the working tree, on this machine, with this harness (only the
@@ -45,21 +47,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from golden_cases import CASES, WORLD  # noqa: E402
+from golden_cases import CASES, UNRECORDED, WORLD  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "golden.json"
 #: relative tolerance of the parameter statistics on another machine (another BLAS, another vector width)
 RTOL = 1e-5
 #: what is compared exactly even across machines (with the statistics' ``n``)
 EXACT_KEYS = frozenset({"bytes", "ops", "global_step", "steps", "sync_steps", "n"})
-FT_LIMIT_S = 900  # the fault-tolerant groups' whole series of cases, on a loaded 2-core machine
+FT_LIMIT_S = 600  # one fault-tolerant case (two fits) on a loaded 2-core machine
 
 
 def select(patterns: str | None) -> list[str]:
-    """The case names matching ``patterns`` (comma-separated ``fnmatch`` patterns; ``None``: every case), in the
-    registry's order; a pattern that matches nothing is an error."""
+    """The case names matching ``patterns`` (comma-separated ``fnmatch`` patterns; ``None``: every recorded case,
+    not :data:`~golden_cases.UNRECORDED`), in the registry's order; a pattern that matches nothing is an error."""
     if patterns is None:
-        return list(CASES)
+        return [n for n in CASES if n not in UNRECORDED]
     pats = [p.strip() for p in patterns.split(",") if p.strip()]
     for p in pats:
         if not any(fnmatch.fnmatchcase(n, p) for n in CASES):
@@ -76,8 +78,8 @@ def _env(lib_root: Path) -> dict[str, str]:
 
 
 def _run_ft(names: list[str], out: Path, lib_root: Path) -> None:
-    """The fault-tolerant cases: a process serving two lighthouses per case (the full fit's, the resumed fit's) and
-    one process per replica group running every case in turn."""
+    """The fault-tolerant cases, each in fresh processes: one serving two lighthouses (the full fit's, the resumed
+    fit's) and one per replica group."""
     from lightning_sync.launch import free_port, kill_session
 
     env = _env(lib_root)
@@ -93,41 +95,46 @@ def _run_ft(names: list[str], out: Path, lib_root: Path) -> None:
         return p
 
     try:
-        served = out / "lighthouses.json"
-        lighthouse = start(
-            [sys.executable, str(HERE / "golden_cases.py"), "lighthouses", str(2 * len(names)), str(served)],
-            out / "lighthouses.log",
-        )
-        deadline = time.monotonic() + 300
-        while not served.exists():
-            if lighthouse.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the lighthouses did not start:\n{(out / 'lighthouses.log').read_text()}")
-            time.sleep(0.2)
-        addresses = json.loads(served.read_text())
-        urls = {n: addresses[2 * i : 2 * i + 2] for i, n in enumerate(names)}
-        groups = [
-            start(
-                [
-                    sys.executable,
-                    str(HERE / "golden_cases.py"),
-                    "ft-group",
-                    json.dumps({"group": g, "cases": names, "out": str(out), "lighthouses": urls}),
-                ],
-                out / f"group{g}.log",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )  # fmt: skip
-            for g in range(WORLD["ft"])
-        ]
-        deadline = time.monotonic() + FT_LIMIT_S
-        for g in groups:
-            try:
-                g.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
-        if any(g.returncode != 0 for g in groups):
-            tails = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
-            raise RuntimeError(f"a fault-tolerant replica group failed or hung:\n{tails}")
+        for name in names:  # fresh processes per case, the lighthouses' included: in a second case run by the same
+            # processes, or served by the same lighthouse process, a quorum did not form within 120 s (not diagnosed)
+            case_dir = out / name.replace("/", "__")
+            case_dir.mkdir(parents=True, exist_ok=True)
+            served = case_dir / "lighthouses.json"
+            lighthouse = start(
+                [sys.executable, str(HERE / "golden_cases.py"), "lighthouses", "2", str(served)],
+                case_dir / "lighthouses.log",
+            )
+            deadline = time.monotonic() + 300
+            while not served.exists():
+                if lighthouse.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the lighthouses did not start:\n{(case_dir / 'lighthouses.log').read_text()}")
+                time.sleep(0.2)
+            urls = {name: json.loads(served.read_text())}
+            groups = [
+                start(
+                    [
+                        sys.executable,
+                        str(HERE / "golden_cases.py"),
+                        "ft-group",
+                        json.dumps({"group": g, "cases": [name], "out": str(out), "lighthouses": urls}),
+                    ],
+                    out / f"{name.replace('/', '__')}_group{g}.log",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()),
+                )  # fmt: skip
+                for g in range(WORLD["ft"])
+            ]
+            deadline = time.monotonic() + FT_LIMIT_S
+            for g in groups:
+                try:
+                    g.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+            if any(g.returncode != 0 for g in groups):
+                tails = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
+                raise RuntimeError(f"a fault-tolerant replica group failed or hung ({name}):\n{tails}")
+            lighthouse.send_signal(signal.SIGTERM)
+            lighthouse.wait(timeout=30)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -150,8 +157,18 @@ def run_cases(names: list[str], workdir: Path, lib_root: Path = ROOT) -> dict[st
     return json.loads(out.read_text())
 
 
-def _run_here(names: list[str], workdir: Path) -> dict[str, Any]:
-    """Inside the ``_run`` subprocess: every world's cases in one launch (Lightning imported once per process)."""
+def _run_here(names: list[str], workdir: Path | None = None) -> dict[str, Any]:
+    """Every world's cases in one launch (Lightning imported once per process); their files in a fresh
+    ``/tmp/golden-XXXXXXXX`` (``workdir`` is not used for them), removed afterwards.
+
+    The path's length is fixed because it is in the byte counts: a checkpoint save broadcasts its file's path (tags
+    ``"checkpoint"`` and ``"lightning"``), so a longer directory name sends more bytes. ``/tmp`` rather than the
+    system's temporary directory, so that the recorded counts hold wherever ``TMPDIR`` points."""
+    with tempfile.TemporaryDirectory(prefix="golden-", dir="/tmp") as tmp:
+        return _run_in(names, Path(tmp))
+
+
+def _run_in(names: list[str], workdir: Path) -> dict[str, Any]:
     from golden_cases import rank_main
 
     import lightning_sync

@@ -6,7 +6,11 @@ A case is one strategy in one layout at one averaging precision, named ``<method
 * ``grouped``: 4 ranks as 2 replica groups of 2 (``replica_size=2``), for the methods that accept replica groups;
 * ``ft``: 2 fault-tolerant replica groups of one process each on torchft (``fault_tolerance=FaultTolerance(...)``,
   ``min_replicas=2``: every quorum holds both groups, so every sync averages over the same members), for the
-  methods that accept it, fp32 only (fault tolerance refuses compression at construction);
+  methods that accept it, fp32 only (fault tolerance refuses compression at construction). **Not recorded yet**
+  (:data:`UNRECORDED`): on this machine these runs fail intermittently, a replica group getting no quorum within
+  120 s or failing to commit its start (one ``fedavg/ft/fp32`` run passed, with both fits identical; later runs of
+  local SGD, FedAvg and DiLoCo failed, on a loaded and on an idle machine), not diagnosed yet. They run with
+  ``--cases '*/ft/*'``, and are left out of ``record``/``compare``/``check`` without ``--cases``;
 * ``single``: 1 rank, for the asynchronous strategies (ASP, SSP, ALADDIN, Sync-Switch's ASP phase): with 2 ranks
   which rank trains which batch, and the interleaving of pushes and pulls, follow the ranks' speed at run time (a
   shared work counter), so neither parameters nor per-rank bytes repeat between two runs. One rank has one order
@@ -135,6 +139,9 @@ def _cases() -> dict[str, Case]:
 
 #: every golden case by name
 CASES: dict[str, Case] = _cases()
+#: cases in the registry that are not recorded (the fault-tolerant ones: see the module docstring); they run only
+#: when ``--cases`` names them
+UNRECORDED: tuple[str, ...] = tuple(n for n, c in CASES.items() if c.layout == "ft")
 
 
 # ----------------------------------------------------------------------------------------------- what is recorded
