@@ -85,6 +85,7 @@ class ResNetish(pl.LightningModule):
         weight_decay: float = 5e-4,
         width: int = 8,
         schedule: str = "onecycle",
+        nesterov: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -125,7 +126,7 @@ class ResNetish(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         opt = torch.optim.SGD(
-            self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=True
+            self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=hp.nesterov
         )
         if hp.schedule == "constant":  # an ablation (--schedule constant): no schedule
             return opt
@@ -227,6 +228,23 @@ def adaptation_for(message: str) -> dict[str, Any] | None:
     return None
 
 
+#: the ordinary user scripts of the drop-in check (issue 57: more than one model; ``dropin_grid.py --scripts``)
+SCRIPTS = ("cnn", "transformer")
+
+
+def user_script(script: str) -> tuple[Callable[..., pl.LightningModule], Callable[..., pl.LightningDataModule]]:
+    """The user's LightningModule and LightningDataModule classes of ``script`` (one of ``SCRIPTS``): ``"cnn"`` is
+    this file's ResNet-style CNN on the digits (SGD + OneCycleLR), ``"transformer"`` the character Transformer of
+    ``benchmarks/dropin_text.py`` (AdamW + linear warm-up)."""
+    if script == "cnn":
+        return ResNetish, DigitsImages
+    if script == "transformer":
+        import dropin_text
+
+        return dropin_text.TinyGPT, dropin_text.HelpTextChars
+    raise ValueError(f"script must be one of {SCRIPTS}, got {script!r}")
+
+
 def make_strategy(name: str, **kwargs: Any) -> Any:
     """``name`` as a user would pass it, or an instance (with ``kwargs``) where a test needs options."""
     if name == "ddp" or not kwargs:
@@ -250,6 +268,7 @@ def run_user_script(
     model_kwargs: dict[str, Any] | None = None,
     batch_size: int = 32,
     evaluate: bool = True,
+    script: str = "cnn",
 ) -> dict[str, Any]:
     """The user's whole script with ``strategy=name``: fit, validate, test (also from the best checkpoint), predict.
 
@@ -259,7 +278,9 @@ def run_user_script(
     size, epochs and steps (where the resume started), and the strategy's metrics. ``callbacks`` makes extra callbacks
     for each Trainer (tests use it to look inside). ``trainer_overrides`` change the Trainer's arguments (``CONFIGS``:
     precision and clipping), ``model_kwargs`` the model's (``lr``, ``width``...), ``batch_size`` the per-rank batch;
-    ``evaluate=False`` stops after fit (no validate / test / predict: ``val_acc`` is the last validation's)."""
+    ``evaluate=False`` stops after fit (no validate / test / predict: ``val_acc`` is the last validation's); ``script``
+    picks the user's model and data (``SCRIPTS``: this CNN, or ``benchmarks/dropin_text.py``'s Transformer)."""
+    model_cls, data_cls = user_script(script)
     res: dict[str, Any] = {"strategy": name, "refused": None, "changed": {}}
     overrides: dict[str, Any] = dict(trainer_overrides or {})
 
@@ -273,7 +294,7 @@ def run_user_script(
     stop = [_StopAfter(interrupt_at)] if interrupt_at is not None else []
     for attempt in range(len(ADAPTATIONS) + 1):
         trainer = trainer_for(*stop)
-        model, data = ResNetish(**(model_kwargs or {})), DigitsImages(batch_size=batch_size, seed=seed)
+        model, data = model_cls(**(model_kwargs or {})), data_cls(batch_size=batch_size, seed=seed)
         t0 = time.perf_counter()
         try:
             trainer.fit(model, data)
@@ -300,7 +321,7 @@ def run_user_script(
             "epoch_complete": not math.isfinite(per_epoch) or batches >= per_epoch,
         }
         trainer = trainer_for(start := _ResumeStart())
-        model = ResNetish(**(model_kwargs or {}))
+        model = model_cls(**(model_kwargs or {}))
         trainer.fit(model, data, ckpt_path=ckpt.last_model_path)
         res["resume_start"] = start.start
     res["fit_s"] = time.perf_counter() - t0
@@ -397,6 +418,7 @@ def _worker(
     model_kwargs: dict[str, Any] | None = None,
     batch_size: int = 32,
     evaluate: bool = True,
+    script: str = "cnn",
 ) -> None:
     import warnings
 
@@ -420,8 +442,9 @@ def _worker(
                 model_kwargs=model_kwargs,
                 batch_size=batch_size,
                 evaluate=evaluate,
+                script=script,
             )
-            res.update(seed=seed, world=world, strategy=entry, config=config)
+            res.update(seed=seed, world=world, strategy=entry, config=config, script=script)
             rows.append(res)
     if rank == 0:
         (Path(out) / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
@@ -618,6 +641,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.1, help="the script's maximum learning rate (0.1)")
     parser.add_argument("--width", type=int, default=8, help="the model's width (8)")
     parser.add_argument(
+        "--no-nesterov", action="store_true", help="plain heavy-ball momentum instead of the script's Nesterov"
+    )
+    parser.add_argument(
         "--schedule",
         choices=("onecycle", "constant"),
         default="onecycle",
@@ -682,7 +708,12 @@ def main(argv: list[str] | None = None) -> None:
             for world in args.world:
                 t0 = time.perf_counter()
                 where = out / f"{config}_w{world}"
-                model_kwargs = {"lr": args.lr, "width": args.width, "schedule": args.schedule}
+                model_kwargs = {
+                    "lr": args.lr,
+                    "width": args.width,
+                    "schedule": args.schedule,
+                    "nesterov": not args.no_nesterov,
+                }
                 launch_local(
                     _worker,
                     world,

@@ -142,9 +142,11 @@ def _cycles(rank: int, out: str, strategies: list[str], runs: int, hang_s: float
         results[name] = {"runs": done, "errors": errors, "longest_run_s": round(longest, 2)}
     results["_gate"] = {"forks_waited": GATE.forks_waited, "longest_wait_s": round(GATE.longest_wait_s, 4)}
     Path(out, f"res_rank{rank}.json").write_text(json.dumps(results, indent=1))
-    for done_worker in Path(out).glob("worker_*.txt"):
-        if done_worker.read_text().count("\n") <= 1:  # only "started": nothing to report
-            done_worker.unlink(missing_ok=True)
+    if rank == 0:  # the workers that only wrote "started": nothing to report
+        for done_worker in Path(out).glob("worker_*.txt"):
+            with contextlib.suppress(FileNotFoundError):
+                if done_worker.read_text().count("\n") <= 1:
+                    done_worker.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

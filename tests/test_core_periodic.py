@@ -257,6 +257,28 @@ def test_adpsgd_keeps_sampling_until_one_sample_exists():
     assert c.period == 1
 
 
+def test_adpsgd_samples_at_least_min_samples_after_k_s():
+    # K_s = 6 is reached after two averagings at p = 3; min_samples=4 keeps sampling for two more, at p_init
+    c = ADPSGDController(p_init=3, sample_steps=6, min_samples=4)
+    for expected in range(1, 5):
+        assert run_until_average(c) == 3 and c.phase == "sampling"
+        c.observe(0.1 * expected, 0.1)  # S/gamma = 1, 2, 3, 4
+        assert c.samples == expected and c.period == 3
+    assert c.c2 == pytest.approx(2.5) and c.phase == "adaptive"
+    run_until_average(c)
+    c.observe(0.1, 0.1)  # S/gamma = 1 < 0.7 * 2.5: adapts now
+    assert c.period == 4 and c.samples == 4
+
+
+def test_adpsgd_restores_a_checkpoint_from_before_min_samples_as_one_sample():
+    a = ADPSGDController(p_init=3, sample_steps=6)
+    state = a.state_dict()
+    del state["min_samples"]
+    ADPSGDController(p_init=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="min_samples"):
+        ADPSGDController(p_init=3, min_samples=4).load_state_dict(state)
+
+
 def test_adpsgd_zero_c2_keeps_period_while_s_is_zero():
     c = ADPSGDController(p_init=3, sample_steps=3)
     run_until_average(c)
@@ -362,6 +384,8 @@ def test_adpsgd_load_state_dict_rejects_other_config():
         ({"max_period": 0}, "max_period"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"sample_steps": -2}, "sample_steps"),
+        ({"min_samples": 0}, "min_samples"),
+        ({"min_samples": 1.5}, "min_samples"),
         ({"low": 0.0}, "low"),
         ({"low": -0.5}, "low"),
         ({"low": 1.3, "high": 1.3}, "low must be < high"),

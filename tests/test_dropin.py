@@ -17,7 +17,10 @@ accuracy, SGD with Nesterov momentum and a per-step OneCycleLR, gradient clippin
   uninterrupted run.
 * **An ordinary model, over seeds** (issue 51): the same script for 3 epochs, every strategy at its defaults over 5
   seeds, without clipping in fp32 and with ``gradient_clip_val=1.0`` + bf16-mixed: the mean validation accuracy
-  within 3 points of ``ddp``'s over the same seeds, and no run below ``ddp``'s worst seed by more than 10 points.
+  within 3 points of ``ddp``'s over the same seeds, and no run more than 10 points below ``ddp``'s run on the same
+  seed; and a slice of the second ordinary script (issue 57: ``benchmarks/dropin_text.py``'s Transformer with AdamW
+  and a linear warm-up), ADPSGD against ``ddp`` on two seeds under the same rule (the whole grid, both scripts, 10
+  seeds, every strategy, is ``benchmarks/dropin_grid.py``).
 * **Launched by Lightning**, once each: ``"selsync"`` re-runs the script (popen, a subprocess here: a popen launch
   from pytest would run pytest again), and the launching process is rank 0; ``"aladdin_spawn"`` from pytest, and the
   launching process reads what rank 0 had after fit (steps, epochs, callback state, the strategy's metrics).
@@ -41,6 +44,7 @@ if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))  # spawned workers inherit sys.path, so they import it too
 
 import dropin  # noqa: E402  (benchmarks/dropin.py: the user script)
+import dropin_grid  # noqa: E402  (benchmarks/dropin_grid.py: the wide check's rule)
 from launch import run_suite  # noqa: E402
 
 WORLD = 2
@@ -293,9 +297,26 @@ ORDINARY_CONFIGS = ("fp32", "clip+bf16")
 #: estimate from the per-seed spread gives 3.8% for any check failing on a new draw of seeds; see
 #: docs/results/other.md, "Defaults on an ordinary model"
 ORDINARY_MARGIN = 0.03
-#: no run below ddp's worst seed by more than this (a collapse: SelSync ended at 0.28-0.37 in the issue; measured:
-#: every strategy's lowest of 10 runs within 1.7 points of ddp's lowest)
+#: the strategies this check runs in CI: all but BSP and OSP, the synchronous ones (every rank applies every step's
+#: gradients; within 0.6 points of ddp's mean in every script and configuration measured over 10 seeds). Leaving them
+#: out (20 fits) pays for the Transformer slice below (4 fits of twice the steps, bf16 on the CPU); the grid of
+#: benchmarks/dropin_grid.py keeps every strategy
+ORDINARY_STRATEGIES = tuple(n for n in dropin.STRATEGIES if n not in ("bsp", "osp"))
+#: no run more than this below ddp's run on the same seed (issue 57's rule; a collapse: SelSync ended at 0.28-0.37 in
+#: issue 51, ADPSGD 18 points below ddp on one seed in issue 57)
 COLLAPSE_MARGIN = 0.10
+#: the second ordinary script's slice (issue 57): benchmarks/dropin_text.py's Transformer (AdamW + linear warm-up),
+#: the grid's length (benchmarks/dropin_grid.py: 3 epochs of 32 steps per rank), ADPSGD against ddp on two seeds in
+#: TEXT_CONFIG. The whole grid (both scripts, both configurations, 10 seeds, every strategy) is the benchmark's:
+#: docs/results/other.md, "Two scripts, ten seeds"
+TEXT_SEEDS = (0, 1)
+TEXT_CONFIG = "clip+bf16"
+TEXT_STRATEGIES = ("ddp", "adpsgd")
+#: OSP under AdamW on the Transformer script, fp32: at this seed its ranks picked different layers (the approximate
+#: correction leaves the replicas' parameters, hence |g w|, different) and gloo aborted on mismatched all-reduces
+#: before the importance was averaged over ranks (issue 57's grid). On this machine's arithmetic; elsewhere the run
+#: may not reach a disagreement, and then it only trains
+OSP_ADAMW_SEED = 4
 #: the changes REFUSED's refusals name (benchmarks/dropin.py ADAPTATIONS), made up front: no refused setup to pay
 UP_FRONT = {"osp": {"gradient_clip_val": None}, **{n: {"val_check_interval": 1.0} for n in PARAMETER_SERVER}}
 
@@ -310,7 +331,7 @@ def _ordinary(rank: int, out_dir: str) -> None:
     for config in ORDINARY_CONFIGS:
         results[config] = {}
         for seed in ORDINARY_SEEDS:
-            for name in ("ddp", *dropin.STRATEGIES):
+            for name in ("ddp", *ORDINARY_STRATEGIES):
                 # what the strategy's refusal at setup asks for (tested in part 1), applied up front
                 overrides = {**dropin.CONFIGS[config], **UP_FRONT.get(name, {})}
                 res = dropin.run_user_script(
@@ -323,6 +344,33 @@ def _ordinary(rank: int, out_dir: str) -> None:
                     evaluate=False,
                 )
                 results[config].setdefault(name, []).append(res["val_acc"])
+    results["text"] = {}
+    for seed in TEXT_SEEDS:
+        for name in TEXT_STRATEGIES:
+            res = dropin.run_user_script(
+                name,
+                out / "text" / f"{name}_s{seed}",
+                WORLD,
+                epochs=dropin_grid.EPOCHS,
+                seed=seed,
+                trainer_overrides={**dropin.CONFIGS[TEXT_CONFIG], **UP_FRONT.get(name, {})},
+                batch_size=dropin_grid.BATCH,
+                evaluate=False,
+                script="transformer",
+            )
+            results["text"].setdefault(name, []).append(res["val_acc"])
+    res = dropin.run_user_script(
+        "osp",
+        out / "text" / "osp_adamw",
+        WORLD,
+        epochs=dropin_grid.EPOCHS,
+        seed=OSP_ADAMW_SEED,
+        trainer_overrides=dropin.CONFIGS["fp32"],
+        batch_size=dropin_grid.BATCH,
+        evaluate=False,
+        script="transformer",
+    )
+    results["osp_adamw"] = {"val_acc": res["val_acc"], "global_step": res["global_step"]}
     (out / f"res_rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -332,7 +380,7 @@ def ordinary(tmp_path_factory):
 
 
 @pytest.mark.parametrize("config", ORDINARY_CONFIGS)
-@pytest.mark.parametrize("name", dropin.STRATEGIES)
+@pytest.mark.parametrize("name", ORDINARY_STRATEGIES)
 def test_on_an_ordinary_model_the_mean_over_seeds_is_within_three_points_of_ddp(ordinary, name, config):
     results = ordinary[0][config]
     ddp, mine = results["ddp"], results[name]
@@ -343,11 +391,49 @@ def test_on_an_ordinary_model_the_mean_over_seeds_is_within_three_points_of_ddp(
 
 
 @pytest.mark.parametrize("config", ORDINARY_CONFIGS)
-@pytest.mark.parametrize("name", dropin.STRATEGIES)
-def test_on_an_ordinary_model_no_seed_collapses(ordinary, name, config):
+@pytest.mark.parametrize("name", ORDINARY_STRATEGIES)
+def test_on_an_ordinary_model_no_seed_falls_ten_points_below_ddps_same_seed(ordinary, name, config):
     results = ordinary[0][config]
-    floor = min(results["ddp"]) - COLLAPSE_MARGIN
-    assert min(results[name]) >= floor, (name, config, [round(v, 4) for v in results[name]], min(results["ddp"]))
+    gaps = [mine - ddp for mine, ddp in zip(results[name], results["ddp"])]
+    assert min(gaps) >= -COLLAPSE_MARGIN, (name, config, [round(v, 4) for v in results[name]], results["ddp"])
+
+
+@pytest.mark.parametrize(
+    "gaps,passes",
+    [
+        ((-0.029, -0.029), True),  # mean 2.9 points below
+        ((-0.031, -0.031), False),  # mean 3.1 points below
+        ((0.079, -0.099), True),  # one seed 9.9 points below, the mean 1 point below
+        ((0.081, -0.101), False),  # one seed 10.1 points below, the mean 1 point below
+    ],
+)
+def test_the_wide_checks_rule_fails_on_the_mean_or_on_one_seed(gaps, passes):
+    rows = [{"script": "s", "config": "c", "strategy": "ddp", "seed": seed, "val_acc": 0.8} for seed in (0, 1)]
+    rows += [{"script": "s", "config": "c", "strategy": "x", "seed": s, "val_acc": 0.8 + g} for s, g in enumerate(gaps)]
+    (verdict,) = dropin_grid.verdicts(rows)
+    assert verdict["passes"] is passes and verdict["seeds"] == 2
+
+
+def test_osp_under_adamw_trains_on_layers_every_rank_agrees_on(ordinary):
+    for r in ordinary:
+        assert r["osp_adamw"]["global_step"] == 96 and r["osp_adamw"]["val_acc"] > 0.2
+
+
+def test_on_a_small_transformer_adpsgd_keeps_ddps_accuracy(ordinary):
+    """The rule of benchmarks/dropin_grid.py on the Transformer script's slice: the mean within 3 points of ddp's,
+    no seed more than 10 points below ddp's same seed."""
+    results = ordinary[0]["text"]
+    ddp, mine = results["ddp"], results["adpsgd"]
+    assert len(mine) == len(ddp) == len(TEXT_SEEDS) and 0.2 < min(ddp)  # the script learns (chance: 1/103)
+    verdict = dropin_grid.verdicts(
+        [
+            {"script": "transformer", "config": TEXT_CONFIG, "strategy": name, "seed": seed, "val_acc": acc}
+            for name in TEXT_STRATEGIES
+            for seed, acc in zip(TEXT_SEEDS, results[name])
+        ]
+    )
+    assert [v["passes"] for v in verdict] == [True], (verdict, mine, ddp)
+    assert ordinary[1]["text"]["adpsgd"] == mine  # one value on every rank
 
 
 # ----------------------------------------------------------------------------------------------- tests: part 2

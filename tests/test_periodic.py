@@ -182,6 +182,10 @@ def test_adpsgd_period_adapts_and_ranks_agree(suite):
     assert a["agree"]
     warm = a["steps_per_epoch"]
     assert set(a["periods"][:warm]) == {1}  # warm-up: period 1 for the first epoch
+    # K_s: sample_fraction (0.3) of the 90 steps after the warm-up, not of all 90 (issue 57); at least 4 samples
+    assert a["controller"]["warmup_steps"] == warm
+    assert a["controller"]["sample_steps"] == warm + round(0.3 * (90 - warm))
+    assert a["controller"]["min_samples"] == 4 and a["controller"]["samples"] >= 4
     assert len(set(a["periods"][warm:])) > 1  # the period moved after warm-up
     assert a["stat_ops"] > 0 and a["controller"]["c2"] > 0
     assert {"sync/period", "sync/c2", "sync/s_k"} <= set(a["logged"])

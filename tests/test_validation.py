@@ -680,6 +680,7 @@ SPECS: dict[type, dict[str, Arg]] = {
         ),
         warmup_epochs=int_arg("warmup_epochs", 0),
         sample_fraction=real_arg("sample_fraction", 0.0, 1.0, high_open=True),
+        min_samples=int_arg("min_samples", 1),
         low=Arg(
             allowed="finite number, 0 < low < high (default high 1.3)",
             valid=st.floats(0.0, 1.3, exclude_min=True, exclude_max=True),

@@ -90,13 +90,14 @@ class ADPSGDController:
         clamped to :math:`[1, \text{max\_period}]` (the paper's :math:`p` is unbounded below and above;
         :math:`p = 0` would never average again, and the upper bound caps the staleness).
 
-    ``sample_steps`` is compared with the global step index, as :math:`k` in line 13, so the warm-up counts
-    towards it (§IV-B: :math:`K_s = 0.25K` with :math:`K` all training iterations). Deviation from the letter of
-    Alg. 2: if no sample has been taken when :math:`k \ge K_s` (the warm-up ends after ``sample_steps``, or
-    ``sample_steps == 0``), the controller keeps sampling until one :math:`S_k/\gamma_k` has been averaged into
-    :math:`C_2`, so the adaptive comparison never runs against the initial :math:`C_2 = 0` (line 3), which
-    would only ever decrease :math:`p`. (A sampled :math:`C_2 = 0`, e.g. one rank, or ranks that never
-    diverge, leaves :math:`p` unchanged while :math:`S_k = 0`.)
+    ``sample_steps`` is compared with the global step index, as :math:`k` in line 13 (§IV-B: :math:`K_s = 0.25K`
+    with :math:`K` all training iterations; the strategy places it after the warm-up, see
+    :class:`~lightning_sync.strategies.ADPSGDStrategy`). Deviation from the letter of Alg. 2: the sampling phase
+    lasts until :math:`k \ge K_s` *and* ``min_samples`` values of :math:`S_k/\gamma_k` have been averaged into
+    :math:`C_2` (the paper's "first few synchronization steps"; at least 1, so the adaptive comparison never runs
+    against the initial :math:`C_2 = 0` of line 3, which would only ever decrease :math:`p`). With
+    ``min_samples=1`` and :math:`K_s` beyond the warm-up this is Alg. 2 exactly. (A sampled :math:`C_2 = 0`, e.g.
+    one rank, or ranks that never diverge, leaves :math:`p` unchanged while :math:`S_k = 0`.)
     """
 
     def __init__(
@@ -107,8 +108,10 @@ class ADPSGDController:
         low: float = 0.7,
         high: float = 1.3,
         max_period: int = 64,
+        min_samples: int = 1,
     ) -> None:
         self.max_period = check_int("max_period", max_period, 1)
+        self.min_samples = check_int("min_samples", min_samples, 1)
         self.p_init = check_int("p_init", p_init, 1)
         if self.p_init > self.max_period:
             raise ValueError(
@@ -142,7 +145,7 @@ class ADPSGDController:
         k = self._k
         if k < self.warmup_steps:
             return "warmup"
-        if k < self.sample_steps or self.samples == 0:
+        if k < self.sample_steps or self.samples < self.min_samples:
             return "sampling"
         return "adaptive"
 
@@ -196,7 +199,13 @@ class ADPSGDController:
             self._p = max(self._p - 1, 1)
 
     def _config(self) -> dict[str, Any]:
-        return {"p_init": self.p_init, "low": self.low, "high": self.high, "max_period": self.max_period}
+        return {
+            "p_init": self.p_init,
+            "low": self.low,
+            "high": self.high,
+            "max_period": self.max_period,
+            "min_samples": self.min_samples,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -216,11 +225,12 @@ class ADPSGDController:
 
         ``warmup_steps`` and ``sample_steps`` are taken from the checkpoint: they are step positions fixed when
         the run first started (from its length), and a resumed run continues that schedule, so the restoring
-        controller may be built with their defaults. ``p_init``, ``low``, ``high`` and ``max_period`` must match
-        this controller's (ValueError otherwise).
+        controller may be built with their defaults. ``p_init``, ``low``, ``high``, ``max_period`` and
+        ``min_samples`` must match this controller's (ValueError otherwise).
         """
         config = self._config()
-        saved = {name: state[name] for name in config}
+        # a checkpoint from before min_samples existed sampled until its first sample: min_samples=1
+        saved = {name: state.get(name, 1) if name == "min_samples" else state[name] for name in config}
         if saved != config:
             raise ValueError(
                 f"checkpointed ADPSGD controller has {saved}; this run uses {config}: resume with the same "

@@ -23,9 +23,12 @@ class ADPSGDStrategy(SyncStrategy):
       all-reduce), then :math:`S_k = \frac1n \sum_i \|w_i - \bar w\|^2` over the parameters (each rank's squared
       distance to the average, one counted scalar all-reduce, tag ``"stat"``; with replica groups :math:`n` is the
       number of replicas and each replica's distance counts once).
-    * Sampling phase (the first ``sample_fraction`` of all training steps): :math:`C_2` = running average of
-      :math:`S_k/\gamma_k`, with :math:`\gamma_k` the optimizer's current learning rate (first parameter group), so
-      LR schedules matter as in the paper.
+    * Sampling phase (``sample_fraction`` of the training steps after the warm-up, and at least ``min_samples``
+      averagings): :math:`C_2` = running average of :math:`S_k/\gamma_k`, with :math:`\gamma_k` the optimizer's
+      current learning rate (first parameter group), so LR schedules matter as in the paper. The paper's
+      :math:`K_s = 0.25K` counts all :math:`K` steps, its warm-up being one epoch of 160; on a run of a few epochs
+      that :math:`K_s` falls inside the warm-up and :math:`C_2` would be one sample of :math:`S_k` taken right
+      after it, where :math:`S_k` is largest (docs/strategies/adpsgd.md, "Short runs").
     * Afterwards :math:`p \mathrel{+}= 1` if :math:`S_k < \text{low}\,\gamma_k C_2`, :math:`p \mathrel{-}= 1` if
       :math:`S_k > \text{high}\,\gamma_k C_2`, within ``[1, max_period]``.
 
@@ -44,9 +47,10 @@ class ADPSGDStrategy(SyncStrategy):
     Args:
         p_init: initial period after warm-up (>= 1, <= max_period).
         warmup_epochs: epochs with period 1 (>= 0).
-        sample_fraction: fraction of total training steps used to sample :math:`C_2`, in [0, 1).
+        sample_fraction: fraction of the training steps after the warm-up used to sample :math:`C_2`, in [0, 1).
         low, high: thresholds of Alg. 2 lines 16 and 18, ``0 < low < high``.
         max_period: upper bound of the period (>= 1).
+        min_samples: the sampling phase lasts at least this many averagings (>= 1).
         outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
             ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
             of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
@@ -73,6 +77,7 @@ class ADPSGDStrategy(SyncStrategy):
         low: float = 0.7,
         high: float = 1.3,
         max_period: int = 64,
+        min_samples: int = 4,
         average_at_end: bool = True,
         evaluate: Literal["average", "last_sync"] = "average",
         outer_optimizer: Mapping[str, Any] | None = None,
@@ -81,7 +86,7 @@ class ADPSGDStrategy(SyncStrategy):
         check_int("warmup_epochs", warmup_epochs, 0)
         check_real("sample_fraction", sample_fraction, 0.0, 1.0, high_open=True)
         # validates p_init, low, high, max_period with the controller's own messages
-        ADPSGDController(p_init=p_init, low=low, high=high, max_period=max_period)
+        ADPSGDController(p_init=p_init, low=low, high=high, max_period=max_period, min_samples=min_samples)
         self._averaging_options(outer_optimizer, average_at_end, evaluate)
         super().__init__(**kwargs)
         self.p_init = p_init
@@ -90,6 +95,7 @@ class ADPSGDStrategy(SyncStrategy):
         self.low = float(low)
         self.high = float(high)
         self.max_period = max_period
+        self.min_samples = min_samples
         self.controller: ADPSGDController | None = None
         self._scratch: list[torch.Tensor] | None = None
 
@@ -104,13 +110,16 @@ class ADPSGDStrategy(SyncStrategy):
                 "the total): use a sized training loader and max_epochs or max_steps."
             )
         if self.controller is None:  # else restored from a checkpoint
+            warmup = min(self.warmup_epochs * int(steps_per_epoch), int(total))
             self.controller = ADPSGDController(
                 p_init=self.p_init,
-                warmup_steps=self.warmup_epochs * int(steps_per_epoch),
-                sample_steps=int(round(self.sample_fraction * total)),
+                warmup_steps=warmup,
+                # K_s: the sampling phase is sample_fraction of the steps after the warm-up, not of all steps
+                sample_steps=warmup + int(round(self.sample_fraction * (int(total) - warmup))),
                 low=self.low,
                 high=self.high,
                 max_period=self.max_period,
+                min_samples=self.min_samples,
             )
 
     def _after_update(self, optimizer: Optimizer) -> None:
@@ -165,6 +174,7 @@ class ADPSGDStrategy(SyncStrategy):
             "low": self.low,
             "high": self.high,
             "max_period": self.max_period,
+            "min_samples": self.min_samples,
         }
 
     def sync_metrics(self) -> dict[str, float]:
@@ -190,6 +200,12 @@ class ADPSGDStrategy(SyncStrategy):
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         super().load_strategy_state(state)
         if state.get("controller") is not None:
-            controller = ADPSGDController(p_init=self.p_init, low=self.low, high=self.high, max_period=self.max_period)
+            controller = ADPSGDController(
+                p_init=self.p_init,
+                low=self.low,
+                high=self.high,
+                max_period=self.max_period,
+                min_samples=self.min_samples,
+            )
             controller.load_state_dict(state["controller"])
             self.controller = controller

@@ -28,6 +28,10 @@ class OSPStrategy(SyncStrategy):
     * **Importance (PGP, Eq. 4)**: per parameter tensor, :math:`I^l = \sum |g \cdot w|`, from the previous step's
       *global* gradient (RS result, or ICS result once it arrived) and the parameters: all-reduced values on
       parameters that are identical on every rank, so every rank derives the same bitmap (GIB) without a message.
+      With an optimizer other than ``torch.optim.SGD`` the parameters are not identical (the correction below is
+      approximate there), so the importance vector (one value per layer) is averaged over ranks each step (tag
+      ``"osp"``) before the bitmap is derived: without it the ranks could select different layers and their
+      all-reduces would not match.
     * **ICS size**: :math:`U_{max} = b(1+lr)T_c/N` (Eq. 5) with :math:`T_c` the measured forward+backward time per
       step and :math:`b` the ``bandwidth`` given, or measured from the RS all-reduces of the last epoch (both averaged
       over ranks with one tiny all-reduce per epoch), capped at ``max_unimportant_fraction`` of the model; per epoch
@@ -236,6 +240,10 @@ class OSPStrategy(SyncStrategy):
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._drain()
         g = self.flat.groups[0]
+        if self.importance is not None and not isinstance(optimizer, torch.optim.SGD):
+            # other optimizers' LGP correction is approximate, so the parameters (and |g w|) differ between ranks:
+            # agree on one importance vector, or the ranks pick different layers and the collectives mismatch
+            self.comm.all_reduce(self.importance, op="avg", tag="osp")
         unimportant = (
             select_unimportant(self.importance, self._sizes, self._budget()) if self.importance is not None else []
         )
