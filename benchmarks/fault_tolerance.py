@@ -5,7 +5,8 @@ perplexity 17 as the target, evaluated every epoch of 25 batches per replica) on
 emulated ``--link`` (1 Gbit/s, 1 ms), every process its own (one per replica, started here, one thread each). Rows,
 per seed:
 
-* ``plain`` — the method (``--strategy``, local SGD by default) without fault tolerance: one world of 3 processes;
+* ``plain`` — the method (``--strategy``: local SGD by default, DiLoCo, or BSP — DDP's update every step) without
+  fault tolerance: one world of 3 processes;
 * ``ft`` — the same method with ``fault_tolerance=FaultTolerance(...)``: 3 replica groups and a lighthouse,
   uninterrupted (against ``plain``: the price of fault tolerance without failures, goal <= 3%);
 * ``ft_kill`` — the same, with replica group 1 killed (SIGKILL) when it reaches ``--kill-at`` (30%) of the steps
@@ -65,7 +66,7 @@ def worker(cfg: dict[str, Any]) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import lightning_sync  # noqa: F401  (registers the strategy names)
-    from lightning_sync import DiLoCoStrategy, FaultTolerance, LocalSGDStrategy
+    from lightning_sync import BSPStrategy, DiLoCoStrategy, FaultTolerance, LocalSGDStrategy
     from lightning_sync.compare import packaged_config
     from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.strategies import CountedDDPStrategy
@@ -109,6 +110,8 @@ def worker(cfg: dict[str, Any]) -> None:
         strategy: Any = CountedDDPStrategy(link=cfg["link"], timeout=timeout)
     elif cfg["strategy"] == "localsgd":
         strategy = LocalSGDStrategy(**cfg["args"], **kwargs)
+    elif cfg["strategy"] == "bsp":
+        strategy = BSPStrategy(**cfg["args"], **kwargs)
     else:
         strategy = DiLoCoStrategy(**cfg["args"], **kwargs)
     callbacks: list[pl.Callback] = [Record()]
@@ -372,7 +375,7 @@ def table(results: list[dict[str, Any]], rows: list[str]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", choices=("localsgd", "diloco"), default="localsgd")
+    parser.add_argument("--strategy", choices=("localsgd", "diloco", "bsp"), default="localsgd")
     parser.add_argument(
         "--strategy-arg",
         action="append",
@@ -401,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         parser.error(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
     args.rows = rows
-    defaults = {"period": 5, "offset": 4} if args.strategy == "localsgd" else {"sync_every": 5}
+    defaults = {"localsgd": {"period": 5, "offset": 4}, "diloco": {"sync_every": 5}, "bsp": {}}[args.strategy]
     for item in args.strategy_arg:
         key, eq, value = item.partition("=")
         if not eq:

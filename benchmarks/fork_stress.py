@@ -47,8 +47,13 @@ def _loader(n: int, seed: int, persistent: bool) -> DataLoader:
     x = torch.randn(n, 16, generator=g)
     y = (x[:, :4].sum(1) > 0).long()
     return DataLoader(
-        TensorDataset(x, y), batch_size=16, num_workers=1, persistent_workers=persistent,
-        multiprocessing_context="fork", shuffle=False, worker_init_fn=_worker_init,
+        TensorDataset(x, y),
+        batch_size=16,
+        num_workers=1,
+        persistent_workers=persistent,
+        multiprocessing_context="fork",
+        shuffle=False,
+        worker_init_fn=_worker_init,
     )
 
 
@@ -121,8 +126,13 @@ def _cycles(rank: int, out: str, strategies: list[str], runs: int, hang_s: float
                 model = _module()
                 ckpt = Path(scratch, name, str(run))
                 trainer = pl.Trainer(
-                    accelerator="cpu", devices=2, strategy=name, max_epochs=2, logger=False,
-                    enable_progress_bar=False, enable_model_summary=False,
+                    accelerator="cpu",
+                    devices=2,
+                    strategy=name,
+                    max_epochs=2,
+                    logger=False,
+                    enable_progress_bar=False,
+                    enable_model_summary=False,
                     callbacks=[ModelCheckpoint(dirpath=ckpt, monitor="val_loss"), EarlyStopping(monitor="val_loss")],
                 )
                 persistent = run % 2 == 0
@@ -180,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in strategies:
         per_rank = [r.get(name, {}) for r in ranks]
         print(name, [(r.get("runs"), len(r.get("errors", []))) for r in per_rank])
-    ok = failed is None and len(ranks) == 2 and all(
-        r[name]["runs"] == args.runs and not r[name]["errors"] for r in ranks for name in strategies
+    ok = (
+        failed is None
+        and len(ranks) == 2
+        and all(r[name]["runs"] == args.runs and not r[name]["errors"] for r in ranks for name in strategies)
     )
     print("all runs completed" if ok else f"NOT all runs completed: {failed}")
     return 0 if ok else 1

@@ -176,7 +176,7 @@ def _make_toggle_strategy() -> type:
             t0 = time.perf_counter()
             if self.plain or self.control:
                 self.step_counter.record(False)
-                self._check_sigterm()
+                self.sigterm.check()
                 self._host("plain: SIGTERM all-reduce", t0)
             else:
                 super()._after_update(optimizer)

@@ -3,7 +3,9 @@ rate-limited in the kernel with a ``tbf`` qdisc (both directions), addresses fro
 
 Processes started with :meth:`NamespaceCluster.popen` run "on" a host: gloo traffic between hosts crosses the
 rate-limited links for real, so a benchmark sees what a cluster of that bandwidth would (latency cannot be added:
-``netem`` is not available on these machines; use :class:`~lightning_sync.comm.LinkModel` for that). A host can run
+``netem`` is not available on these machines; use :class:`~lightning_sync.comm.LinkModel` for that, without the
+cluster: its latency on top of a kernel-limited link would hide behind the real transfer of an asynchronous
+collective, which completes at the later of the two, but not of a blocking one). A host can run
 several processes (:meth:`NamespaceCluster.launch` with ``procs_per_host``): each gets the environment a multi-node
 launcher such as torchrun gives it (``MASTER_ADDR`` = host 0's address, ``NODE_RANK``, ``LOCAL_RANK``, ``RANK``,
 ``WORLD_SIZE``), so a ``Trainer(num_nodes=hosts, devices=procs_per_host)`` goes multi-node by configuration alone.

@@ -35,7 +35,7 @@ from lightning_sync.benchmark.runs import (
     load_config,
     make_row,
 )
-from lightning_sync.comm.compression import COMPRESSIONS
+from lightning_sync.comm.compression import COMPRESSIONS, check_compression
 
 
 def default_strategies() -> str:
@@ -89,8 +89,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--strategies",
         default=None,
         help="comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference (default: ddp and "
-        "every strategy of the pack); NAME+CODEC (bf16, fp16, int8) adds NAME's compressed row, e.g. localsgd+bf16; "
-        "NAME@KEY=VALUE[@...] a row with those arguments, e.g. selsync@vote=exact beside selsync",
+        "every strategy of the pack); NAME+CODEC (bf16, fp16, int8, int4, int2, topk:FRACTION, topk:FRACTION+int2 "
+        "(or +int4, +int8)) adds NAME's "
+        "compressed row, e.g. localsgd+bf16; NAME@KEY=VALUE[@...] a row with those arguments, e.g. "
+        "selsync@vote=exact beside selsync",
     )
     parser.add_argument(
         "--devices", type=int, default=None, help="processes per run (>= 1; default: the config's trainer.devices)"
@@ -102,6 +104,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         metavar="BANDWIDTH[,LATENCY]",
         help="emulated link for every run, e.g. '1gbit,1ms'; repeat for a bandwidth sweep (a table per link and a "
         "plot of time to target against bandwidth). Default: no emulation",
+    )
+    parser.add_argument(
+        "--project-ddp",
+        action="append",
+        default=[],
+        metavar="LINK",
+        help="at this --link (repeatable), project ddp's time to target instead of running it there: its steps "
+        "from ddp's run without a link (table 'none'), its per-step and per-evaluation time at LINK from a run of "
+        "--project-epochs epochs beside the other rows; the row 'ddp (projected)', the table's reference "
+        "(lightning_sync/benchmark/projection.py)",
+    )
+    parser.add_argument(
+        "--project-epochs", type=int, default=1, help="epochs of each --project-ddp step-timing run (>= 1; default 1)"
+    )
+    parser.add_argument(
+        "--project-measured",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --project-ddp: also run ddp to the target at the link for the first N seeds, the row 'ddp "
+        "(measured)', to check the projection (0 <= N <= --seeds; default 1)",
     )
     parser.add_argument("--seeds", type=int, default=3, help="runs per method, seeds seed-base..seed-base+N-1 (>= 1)")
     parser.add_argument(
@@ -196,6 +219,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error("--run-timeout must be > 0 seconds")
     if args.cluster and args.link:
         parser.error("--cluster runs on kernel rate-limited links; --link would emulate another link on top of them")
+    if args.project_ddp:
+        if args.cluster:
+            parser.error("--project-ddp needs ddp's run without a link for its steps; on --cluster every run crosses "
+                         "the cluster's links: drop --project-ddp (or run it with --link)")  # fmt: skip
+        missing = [link for link in args.project_ddp if link not in args.link]
+        if missing:
+            parser.error(f"--project-ddp {missing[0]}: not one of the --link values {args.link}; give it as --link too")
+        if args.project_epochs < 1:
+            parser.error("--project-epochs must be >= 1")
+        if not 0 <= args.project_measured <= args.seeds:
+            parser.error(f"--project-measured must be in 0..--seeds ({args.seeds}), got {args.project_measured}")
     if args.accelerator == "gpu" and args.cluster:
         parser.error("--accelerator gpu with --cluster: the namespace cluster is a CPU harness (one process per host)")
     if args.accelerator == "gpu" and not args.workers:
@@ -215,6 +249,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def parse_cluster(spec: str, parser: argparse.ArgumentParser) -> tuple[int, int, str]:
     """``--cluster HOSTS[xPROCS]xRATE`` as (hosts, processes per host, rate): ``4x1gbit`` or ``2x2x1gbit``."""
+    if "," in spec:
+        parser.error(
+            f"--cluster {spec}: the namespace cluster's links are rate-limited only (tbf): a latency cannot be added "
+            "in the kernel here (no netem), and the emulated link's latency on top of them would be hidden behind the "
+            "real transfer for asynchronous collectives (DDP's buckets) but not for blocking ones. Give the rate "
+            "alone (e.g. 4x25mbit), or use --link 25mbit,50ms for the emulated link with its latency"
+        )
     parts = spec.split("x")
     if len(parts) == 2:
         parts.insert(1, "1")
@@ -291,8 +332,17 @@ def variant_row(row: Row, items: list[str]) -> None:
 def compress_row(row: Row, codec: str) -> None:
     """Make ``row`` the compressed variant ``<strategy>+<codec>`` (``localsgd+bf16``): the strategy's
     ``compression`` argument set to ``codec``, labelled so it sits beside the uncompressed row."""
-    if codec not in COMPRESSIONS:
-        raise ValueError(f"compression suffix '+{codec}' must be one of {', '.join(COMPRESSIONS)} (e.g. localsgd+bf16)")
+    given = codec
+    try:
+        codec = check_compression(codec) or ""
+    except ValueError:
+        codec = ""
+    if not codec:
+        raise ValueError(
+            f"compression suffix '+{given}' must be one of {', '.join(COMPRESSIONS)}, or topk:<fraction> with "
+            "0 < fraction < 1, optionally with narrow values +int8, +int4 or +int2 (e.g. localsgd+bf16, "
+            "diloco+topk:0.01, localsgd+topk:0.02+int2)"
+        )
     if row.strategy == REFERENCE:
         raise ValueError(
             "ddp+<codec>: the ddp row is Lightning's own DDPStrategy under the link-emulation communication hook; "
@@ -384,14 +434,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(str(err))
     grid = prepare(args, extra, parser)
     rows = build_rows(args, args.workload, base_lr(grid.config), parser)
+    plan = None
+    if args.project_ddp:
+        from lightning_sync.benchmark.projection import ProjectionPlan
+
+        if not any(r.label == REFERENCE and not r.error for r in rows):
+            parser.error("--project-ddp projects the ddp row: add ddp to --strategies")
+        plan = ProjectionPlan(tuple(args.project_ddp), args.project_epochs, args.project_measured, tuple(grid.seeds))
+        groups = plan.groups(groups)
     if args.cluster:
         hosts, procs, rate = parse_cluster(args.cluster, parser)
         grid.procs_per_host = procs
     where = f"namespace cluster {args.cluster}" if args.cluster else f"{args.devices} processes"
     labels = [r.label for r in rows]
+    group_labels = None if plan is None else plan.group_labels(labels)
     # what ran, written as the runs finish: a compare stopped before its report (killed, interrupted, an error
     # while rendering) leaves runs.csv and summary.json, which `--merge` re-renders
-    write_summary(grid.out, command, where, grid.target, labels, groups, tables=None)
+    write_summary(grid.out, command, where, grid.target, labels, groups, tables=None, group_labels=group_labels)
     done: list[RunResult] = []
 
     def on_done(result: RunResult) -> None:
@@ -405,8 +464,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         grid.cluster = NamespaceCluster(hosts, rate).__enter__()
     try:
-        results = run_grid(grid, groups, rows, on_done)
+        results = run_grid(grid, groups, rows, on_done, None if plan is None else plan.rows_for(rows))
     finally:
         if grid.cluster is not None:
             grid.cluster.destroy()
-    return write_report(grid.out, groups, labels, results, grid.target, where, command)
+    if plan is not None:
+        from lightning_sync.benchmark.projection import project
+
+        results += project(results, plan, grid.out)
+    return write_report(grid.out, groups, labels, results, grid.target, where, command, group_labels)

@@ -35,7 +35,14 @@ def main() -> None:
     import lightning.pytorch as pl
     import torch
 
-    from lightning_sync import ADPSGDStrategy, DiLoCoStrategy, FaultTolerance, FedAvgStrategy, LocalSGDStrategy
+    from lightning_sync import (
+        ADPSGDStrategy,
+        BSPStrategy,
+        DiLoCoStrategy,
+        FaultTolerance,
+        FedAvgStrategy,
+        LocalSGDStrategy,
+    )
     from lightning_sync.data import DigitsDataModule
     from lightning_sync.launch import quiet_trainer_kwargs
     from lightning_sync.models import DigitsCNN
@@ -61,6 +68,7 @@ def main() -> None:
         "diloco_streaming": DiLoCoStrategy,
         "fedavg": FedAvgStrategy,
         "adpsgd": ADPSGDStrategy,
+        "bsp": BSPStrategy,
     }
     procs = cfg.get("procs", 1)  # processes in this replica group: one replica, exact data parallelism inside
     if procs > 1:
@@ -76,7 +84,11 @@ def main() -> None:
 
         def on_train_start(self, trainer, pl_module) -> None:  # after a resume or a heal: counting goes on from here
             s = trainer.strategy
-            self.synced, self.failed, self.ft_step_at_start = s.step_counter.sync_steps, s.ft_failed_syncs, s._ft.step
+            self.synced, self.failed, self.ft_step_at_start = (
+                s.step_counter.sync_steps,
+                s.topology.failed_syncs,
+                s.topology.step,
+            )
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if trainer.global_rank:  # the group's leader speaks for it (its processes hold one replica)
@@ -89,17 +101,17 @@ def main() -> None:
                 "step": trainer.global_step,
                 "epoch": trainer.current_epoch,
                 "batch": batch_idx,
-                "ft_step": s._ft.step,
+                "ft_step": s.topology.step,
                 "synced": synced,
                 "time": time.time(),
             }
             if synced:
-                record["committed"] = s.ft_failed_syncs == self.failed
+                record["committed"] = s.topology.failed_syncs == self.failed
                 # streaming: the fragment just applied (the others are local until their own syncs)
                 tensors = [s._region(p) for p in s._parts[s.last_applied]] if streaming else s.flat.state_tensors()
                 record["checksum"] = s.flat.checksum(tensors).tolist()
-                record["replicas"] = s.ft_replicas
-            self.synced, self.failed = s.step_counter.sync_steps, s.ft_failed_syncs
+                record["replicas"] = s.topology.replicas
+            self.synced, self.failed = s.step_counter.sync_steps, s.topology.failed_syncs
             with progress.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if (out / "slow").exists():  # slower still late in the run: the survivors must not finish before the rejoin

@@ -144,6 +144,40 @@ def test_flat_state_views_and_grads():
     assert torch.equal(group.state[offset : offset + w.numel()], w.detach().reshape(-1))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_dropped_gradients_make_the_next_optimizer_step_leave_parameters_and_state_as_they_were(optimizer):
+    """What a fault-tolerant BSP step that did not commit does (``FaultTolerantTopology.average_grads``): the
+    optimizer's step changes nothing — parameters, momentum, weight decay, Adam's moments and step count — and the next
+    backward binds the gradients to the flat buffer again."""
+    torch.manual_seed(0)
+    net = Net()
+    flat = FlatState(net)
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=1e-2),
+    }[optimizer]
+    opt = make(net.parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        flat.bind_grads()
+        net(torch.randn(8, 1, 8, 8)).pow(2).mean().backward()
+
+    step()
+    opt.step()  # state exists (momentum buffers, moments)
+    params = [p.detach().clone() for p in net.parameters()]
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in net.parameters()]
+    step()
+    flat.drop_grads()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, net.parameters()))
+    for before, p in zip(state, net.parameters()):
+        assert before.keys() == opt.state[p].keys()
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(opt.state[p][k])) for k, v in before.items())
+    step()  # bound again: the gradients land in the flat buffer
+    assert flat.grads_bound() and float(flat.grad_sq_norm()) > 0
+
+
 def test_stage_buffers_roundtrip_and_checksum():
     net = Net()
     flat = FlatState(net)

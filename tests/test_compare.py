@@ -190,8 +190,27 @@ def test_a_codec_suffix_adds_the_compressed_row_with_its_compression_argument(tm
     rows = build_rows(args, "words", 0.1, parser)
     assert [r.label for r in rows] == ["ddp+bf16", "bsp+fp8", "bsp+bf16"]
     assert "Lightning's own DDPStrategy" in rows[0].error
-    assert "must be one of bf16, fp16, int8" in rows[1].error
+    assert "must be one of bf16, fp16, int8, int4, int2" in rows[1].error
     assert "set it once" in rows[2].error
+
+
+def test_a_sparse_row_with_narrow_values_reaches_the_strategy():
+    """``NAME+topk:0.02+int2``: the row's suffix is everything after the first ``+``, the fraction written one way;
+    LightningCLI hands the string to the strategy unchanged."""
+    from pathlib import Path
+
+    from lightning_sync.cli import cli_main
+    from lightning_sync.compare import build_rows, parse_args
+
+    args, _, parser = parse_args(["--strategies", "localsgd+topk:0.02+int2,diloco+topk:2e-2+int4,bsp+topk:0.02+fp8"])
+    rows = build_rows(args, "words", 0.1, parser)
+    assert [r.label for r in rows] == ["localsgd+topk:0.02+int2", "diloco+topk:0.02+int4", "bsp+topk:0.02+fp8"]
+    assert rows[0].cli_args == ["compression=topk:0.02+int2"] and rows[1].cli_args == ["compression=topk:0.02+int4"]
+    assert "optionally with narrow values +int8, +int4 or +int2" in rows[2].error
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "localsgd.yaml"
+    cli = cli_main(["--config", str(config), "--trainer.strategy.init_args.compression=topk:0.02+int2"], run=False)
+    assert cli.trainer.strategy.compression == "topk:0.02+int2"
+    assert cli.trainer.strategy.compressor.fmt.value_code is not None
 
 
 def test_bad_arguments_fail_before_any_run(tmp_path, capsys):

@@ -1,9 +1,10 @@
-"""Compressed synchronization (``compression="bf16" | "fp16" | "int8"``): formats, bytes, error bounds, strategies.
+"""Compressed synchronization (``compression="bf16" | "fp16" | "int8" | "int4" | "int2"``): formats, bytes, error
+bounds, strategies.
 
 * In-process: the wire formats and their checks, the byte formulas of :mod:`lightning_sync.comm.cost`, encode/decode
   bounds, and the compressed all-reduce's per-rank stages run for N simulated ranks (the collectives done by copying
-  records): identical results everywhere, bf16 within its rounding bound, int8 with error feedback converging to
-  the exact mean with a bounded accumulated error, workspaces reused.
+  records): identical results everywhere, bf16 within its rounding bound, int8, int4 and int2 with error feedback
+  converging to the exact mean with a bounded accumulated error, workspaces reused; int4/int2's packing.
 * Four gloo processes (no Lightning): :meth:`Communicator.all_reduce_compressed` bit-identical to the simulation,
   bytes recorded per collective exactly as the formulas say, asynchronous handles in flight during compute, link
   emulation charging the compressed bytes, subgroups and FedAvg-style partial participation.
@@ -36,8 +37,10 @@ from lightning_sync.comm.compression import (
     check_compression,
     decode,
     encode,
+    wire_format,
 )
 from lightning_sync.comm.cost import (
+    allgather_bytes,
     alltoall_bytes,
     compressed_allreduce_bytes,
     compressed_chunk_numel,
@@ -47,6 +50,14 @@ from lightning_sync.launch import free_port
 
 #: unit roundoff of the casts (round to nearest: relative error at most 2^-p for p significant bits)
 U = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+#: the integer formats, their largest code and their wire bytes per code (packed: two or four codes a byte)
+QMAX = {"int8": 127, "int4": 7, "int2": 1}
+CODE_BYTES = {"int8": 1.0, "int4": 0.5, "int2": 0.25}
+INTS = list(QMAX)
+#: a sparse format (tests/test_topk.py has its own): in the gloo runs beside the dense ones, with fp32 values and
+#: with ternary ones
+TOPK = "topk:0.01"
+TOPK_INT2 = "topk:0.01+int2"
 
 
 # =============================================================================================== in-process
@@ -79,10 +90,10 @@ def _inputs(n_ranks: int, numel: int, seed: int = 0, scale: float = 1.0) -> list
 
 
 def test_check_compression_accepts_exactly_the_formats():
-    for value in (None, "bf16", "fp16", "int8"):
+    for value in (None, "bf16", "fp16", "int8", "int4", "int2"):
         assert check_compression(value) == value
-    for bad in ("BF16", "int4", "", 16, True, "fp32"):
-        with pytest.raises(ValueError, match=r"compression must be None, 'bf16', 'fp16' or 'int8'"):
+    for bad in ("BF16", "INT4", "int3", "int1", "", 16, True, "fp32"):
+        with pytest.raises(ValueError, match=r"compression must be None, 'bf16', 'fp16', 'int8', 'int4' or 'int2'"):
             check_compression(bad)
 
 
@@ -90,28 +101,36 @@ def test_check_compressible_refuses_what_cannot_shrink_or_is_not_floating():
     check_compressible("bf16", torch.float32, "x")
     check_compressible("fp16", torch.float64, "x")
     check_compressible("int8", torch.bfloat16, "x")
+    check_compressible("int4", torch.bfloat16, "x")
+    check_compressible("int2", torch.float16, "x")
     with pytest.raises(ValueError, match=r"does not shrink .*bfloat16.*Use compression='int8'"):
         check_compressible("bf16", torch.bfloat16, "the model")
     with pytest.raises(ValueError, match=r"does not shrink .*float16"):
         check_compressible("fp16", torch.float16, "the model")
-    with pytest.raises(ValueError, match=r"needs floating-point tensors.*torch.int64"):
-        check_compressible("int8", torch.int64, "the model")
+    for name in INTS:
+        with pytest.raises(ValueError, match=r"needs floating-point tensors.*torch.int64"):
+            check_compressible(name, torch.int64, "the model")
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
-@pytest.mark.parametrize("world,numel", [(2, 1001), (4, 1000), (3, 7), (4, 70_000), (5, 256 * 5 + 1)])
+@pytest.mark.parametrize("name", ["bf16", "fp16", *INTS])
+@pytest.mark.parametrize("world,numel", [(2, 1001), (4, 1000), (3, 7), (4, 70_000), (5, 256 * 5 + 1), (3, 1)])
 def test_byte_formula_is_elements_times_wire_size_plus_scales(name, world, numel):
     fmt = FORMATS[name]
-    block = INT8_BLOCK if name == "int8" else 1
+    block = INT8_BLOCK if name in INTS else 1
     chunk = compressed_chunk_numel(numel, world, block)
     assert chunk == (math.ceil(math.ceil(numel / world) / block) * block)
     assert chunk * world >= numel > (chunk - block) * world - world  # padding is less than a block per rank
-    record = compressed_record_bytes(chunk, fmt.element_size, block, fmt.scale_bytes)
-    assert record == chunk * (1 if name == "int8" else 2) + (chunk // INT8_BLOCK * 4 if name == "int8" else 0)
-    a2a, ag = compressed_allreduce_bytes(numel, fmt.element_size, world, block, fmt.scale_bytes)
-    assert a2a == ag == alltoall_bytes(record, world) == (world - 1) * record
+    # a chunk is whole blocks, so whole bytes of packed codes (256 codes: 128 bytes of int4, 64 of int2)
+    record = compressed_record_bytes(chunk, fmt.element_size, block, fmt.scale_bytes, fmt.per_byte)
+    expected = chunk * CODE_BYTES[name] + chunk // INT8_BLOCK * 4 if name in INTS else chunk * 2
+    assert record == expected and isinstance(record, int)
+    a2a, ag = compressed_allreduce_bytes(numel, fmt.element_size, world, block, fmt.scale_bytes, fmt.per_byte)
+    assert a2a == ag == alltoall_bytes(record, world) == allgather_bytes(record, world) == (world - 1) * record
+    assert fmt.allreduce_bytes(numel, world) == (a2a, ag)
     assert fmt.record_bytes(chunk) == record and fmt.chunk_numel(numel, world) == chunk
-    assert compressed_allreduce_bytes(numel, fmt.element_size, 1, block, fmt.scale_bytes) == (0, 0)
+    assert fmt.allreduce_bytes(numel, 1) == (0, 0)
+    # per element, scales included: the format's stated rate, exactly when the chunk is whole blocks
+    assert record / chunk == fmt.bytes_per_element == (CODE_BYTES[name] + 4 / 256 if name in INTS else 2.0)
 
 
 def test_byte_formula_worked_examples():
@@ -119,6 +138,9 @@ def test_byte_formula_worked_examples():
     # (250k rounded up to 256) + 977 scales
     assert sum(compressed_allreduce_bytes(1_000_000, 2, 4)) == 3_000_000
     assert sum(compressed_allreduce_bytes(1_000_000, 1, 4, 256, 4)) == 6 * (250_112 + 977 * 4) == 1_524_120
+    # int4: 125,056 bytes of codes (two a byte) + the same scales; int2: 62,528 bytes (four a byte)
+    assert sum(FORMATS["int4"].allreduce_bytes(1_000_000, 4)) == 6 * (125_056 + 977 * 4) == 773_784
+    assert sum(FORMATS["int2"].allreduce_bytes(1_000_000, 4)) == 6 * (62_528 + 977 * 4) == 398_616
     # fp32 ring for comparison: 2 * 3/4 * 4 MB
     from lightning_sync.comm.cost import ring_allreduce_bytes
 
@@ -168,7 +190,7 @@ def test_int8_encoding_error_is_at_most_half_a_step_per_block_and_residual_is_wh
     assert record.numel() == 1000 + 4 * 4  # 1000 codes + 4 scales (the last block is partial)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", *INTS])
 @pytest.mark.parametrize("world,numel", [(2, 1001), (4, 1000), (3, 7), (4, 70_000)])
 def test_simulated_all_reduce_is_identical_on_every_rank_and_close_to_the_mean(name, world, numel):
     xs = _inputs(world, numel)
@@ -180,8 +202,8 @@ def test_simulated_all_reduce_is_identical_on_every_rank_and_close_to_the_mean(n
         # two roundings (each input, then the fp32 mean) and the fp32 sum: |err| <= u (mean|x_i| + |mean|) + eps
         bound = U[name] * (torch.stack(xs).abs().double().mean(0) + exact.abs()) * (1 + U[name]) + 1e-6
         assert ((out[0].double() - exact).abs() <= bound).all()
-    else:  # int8 without feedback: half a step of each input's block plus half a step of the reduced block
-        assert float((out[0].double() - exact).abs().max()) <= 2 * float(torch.stack(xs).abs().max()) / 127
+    else:  # without feedback: half a step of each input's block plus half a step of the reduced block
+        assert float((out[0].double() - exact).abs().max()) <= 2 * float(torch.stack(xs).abs().max()) / QMAX[name]
 
 
 def test_bf16_averaging_error_on_known_tensors():
@@ -199,13 +221,19 @@ def test_bf16_averaging_error_on_known_tensors():
     assert torch.equal(simulate([Compressor("bf16") for _ in range(4)], xs)[0], torch.full((4,), 65.0))
 
 
-def test_int8_error_feedback_keeps_the_accumulated_error_bounded_and_the_mean_converges():
+@pytest.mark.parametrize("name", INTS)
+def test_error_feedback_keeps_the_accumulated_error_bounded_and_the_mean_converges(name):
     world, numel, steps = 4, 5000, 200
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(numel, generator=g) * (1 + 10 * torch.rand(numel, generator=g)) for _ in range(world)]
     exact = torch.stack(xs).double().mean(0)
     amax = float(torch.stack(xs).abs().max())
-    comps = [Compressor("int8") for _ in range(world)]
+    # a residual is at most half a step, s/2 = max|x + r| / 2Q, so at most amax / (2Q - 1) (the worker's); the
+    # reduced values are at most amax + that, so the server's is at most (amax + worker's) / (2Q - 1)
+    q = QMAX[name]
+    worker_bound = amax / (2 * q - 1)
+    bound = worker_bound + (amax + worker_bound) / (2 * q - 1)
+    comps = [Compressor(name) for _ in range(world)]
     fbs = [c.feedback("s", numel, torch.float32, torch.device("cpu")) for c in comps]
     total = torch.zeros(numel, dtype=torch.float64)
     first_error = None
@@ -214,14 +242,14 @@ def test_int8_error_feedback_keeps_the_accumulated_error_bounded_and_the_mean_co
         total += out[0].double()
         accumulated = float((total - t * exact).abs().max())
         # sum of what was received = t * mean - mean(worker residuals) - server residual: each at most half a step
-        # (the worker's values carry their residual, so a step is at most (amax + half a step) / 127)
-        assert accumulated <= 2 * (amax * (1 + 1 / 254)) / 254 * 1.01 + 1e-5 * t
+        assert accumulated <= bound * 1.01 + 1e-5 * t
         if t == 1:
             first_error = float((total - exact).abs().max())
     mean_error = float((total / steps - exact).abs().max())
-    assert mean_error <= first_error / 50  # ~1/t: the mean of the compressed averages converges to the exact mean
+    assert mean_error <= bound / steps * 1.01 + 1e-5  # ~1/t: the mean of the compressed averages converges
+    assert mean_error <= first_error / 50
     # without feedback every step makes the same rounding error, so its mean never improves: it is the first step's
-    comps = [Compressor("int8") for _ in range(world)]
+    comps = [Compressor(name) for _ in range(world)]
     for _ in range(3):
         plain = simulate(comps, [x.clone() for x in xs])[0].double()
         assert float((plain - exact).abs().max()) == first_error
@@ -258,21 +286,24 @@ def test_workspaces_are_allocated_once_per_shape_and_reused():
     assert comps[0].acquire(999, torch.float32, torch.device("cpu"), 3) in (ws, other)
 
 
-def test_compressor_state_round_trips_and_refuses_another_compression():
-    c = Compressor("int8")
+@pytest.mark.parametrize("name", INTS)
+def test_compressor_state_round_trips_and_refuses_another_compression(name):
+    c = Compressor(name)
     fb = c.feedback("grads/0", 300, torch.float32, torch.device("cpu"))
     fb.worker.copy_(torch.arange(300.0))
     fb.server_residual(256, 2, 1).fill_(3.0)
     state = c.state_dict()
-    d = Compressor("int8")
+    assert state["compression"] == name
+    d = Compressor(name)
     d.load_state_dict(state)
     assert d.state_dict()["feedback"]["grads/0"]["worker"].equal(torch.arange(300.0))  # restored, not used yet
     restored = d.feedback("grads/0", 300, torch.float32, torch.device("cpu"))
     assert torch.equal(restored.worker, torch.arange(300.0))
     assert torch.equal(restored.server_residual(256, 2, 1), torch.full((256,), 3.0))
     assert torch.equal(restored.server_residual(256, 3, 1), torch.zeros(256))  # another layout starts at zero
-    with pytest.raises(ValueError, match="Resume with the same compression"):
-        Compressor("bf16").load_state_dict(state)
+    for other in ("bf16", *(n for n in INTS if n != name)):
+        with pytest.raises(ValueError, match="Resume with the same compression"):
+            Compressor(other).load_state_dict(state)
     assert Compressor("bf16").feedback("x", 10, torch.float32, torch.device("cpu")) is None  # casts: no state
 
 
@@ -292,7 +323,7 @@ def _comm_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         stats = CommStats()
         comm = Communicator(stats)
-        for name in ("bf16", "fp16", "int8"):
+        for name in ("bf16", "fp16", *INTS, TOPK, TOPK_INT2):
             comp = Compressor(name)
             fb = comp.feedback("x", NUMEL, torch.float32, torch.device("cpu"))
             outs = []
@@ -307,6 +338,10 @@ def _comm_worker(rank: int, port: int, out_dir: str) -> None:
                 "blocking": stats.blocking[name],
                 "workspaces": comp.workspaces(),
             }
+            # the buffers the two collectives carried: N records out (one stays), one record gathered from each
+            ws = comp.acquire(NUMEL, torch.float32, torch.device("cpu"), WORLD)
+            res[name].update(record=ws.record, send=ws.send.numel(), recv=ws.recv.numel(), mine=ws.mine.numel())
+            comp.release(ws)
         # asynchronous, under link emulation: in flight during compute, same result as the blocking one
         slow = Communicator(CommStats(), link=SLOW)
         comp = Compressor("bf16")
@@ -348,11 +383,58 @@ def _comm_worker(rank: int, port: int, out_dir: str) -> None:
         part = _inputs(WORLD, 1000, seed=3)[rank]
         comm.all_reduce_compressed(part, Compressor("bf16"), op="sum", divisor=2.0, contribute=rank in (0, 2))
         res["part"] = part.tolist()
+        res["bn"] = _bn_average(rank, comm)
         slow.close()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
         dist.destroy_process_group()
+
+
+def _bn_average(rank: int, comm: Communicator) -> dict:
+    """A compressed parameter average (int2, the narrowest integer format) of a model with BatchNorm whose running
+    variances moved from 1 to 0.4 on every rank, the parameters by about ±1.1 (a ternary code of the variance's change
+    at that block's scale is −1.1: a variance of −0.1): once over every rank, once over ranks 0 and 2 (FedAvg)."""
+    from lightning_sync.comm import FlatState
+    from lightning_sync.strategies.codec import CompressedCodec
+
+    out: dict = {}
+    for case, participants in (("all", None), ("part", [0, 2])):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 30), torch.nn.BatchNorm1d(30))
+        flat = FlatState(model)
+        codec = CompressedCodec(Compressor("int2"))
+        codec.setup(flat, True, WORLD, "the test")
+        (g,) = flat.groups
+        gen = torch.Generator().manual_seed(rank + 1)
+        with torch.no_grad():
+            g.state[: g.param_numel].add_(torch.rand(g.param_numel, generator=gen).mul(2.2).sub(1.1))
+            model[1].running_var.fill_(0.4).add_(torch.rand(30, generator=gen) * 0.01)
+            model[1].running_mean.add_(torch.randn(30, generator=gen))
+        buffers = g.buffers.clone()
+        changes = g.state[: g.param_numel] - codec.reference[0][: g.param_numel]
+        # the expectations, by the same collectives: the buffers exact, the parameters' changes alone compressed
+        if participants is None:
+            comm.all_reduce(buffers, op="avg", tag="bn/expected")
+            comm.all_reduce_compressed(changes, Compressor("int2"), op="avg", tag="bn/expected")
+        else:
+            if rank not in participants:
+                buffers.zero_()
+            comm.all_reduce(buffers, op="sum", tag="bn/expected")
+            buffers.div_(len(participants))
+            comm.all_reduce_compressed(
+                changes, Compressor("int2"), op="sum", divisor=2.0, contribute=rank in participants, tag="bn/expected"
+            )
+        params = codec.reference[0][: g.param_numel] + changes
+        codec.average_state(comm, flat.state_tensors(), "bn", participants, rank)
+        out[case] = {
+            "buffers_exact": bool(torch.equal(g.buffers, buffers)),
+            "params_compressed": bool(torch.equal(g.state[: g.param_numel], params)),
+            "min_running_var": float(model[1].running_var.min()),
+            "reference_taken": bool(torch.equal(codec.reference[0], g.state)),
+            "checksum": float(g.state.double().sum()),
+        }
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +444,7 @@ def comm_results(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", *INTS, TOPK, TOPK_INT2])
 def test_gloo_compressed_all_reduce_equals_the_simulation_bit_for_bit(comm_results, name):
     comps = [Compressor(name) for _ in range(WORLD)]
     fbs = [c.feedback("x", NUMEL, torch.float32, torch.device("cpu")) for c in comps]
@@ -372,13 +454,26 @@ def test_gloo_compressed_all_reduce_equals_the_simulation_bit_for_bit(comm_resul
             assert torch.equal(torch.tensor(r[name]["out"][step]), expected)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", *INTS, TOPK, TOPK_INT2])
 def test_gloo_bytes_recorded_per_collective_equal_the_formula(comm_results, name):
-    fmt = FORMATS[name]
-    a2a, ag = compressed_allreduce_bytes(NUMEL, fmt.element_size, WORLD, fmt.block, fmt.scale_bytes)
+    fmt = wire_format(name)
+    a2a, ag = fmt.allreduce_bytes(NUMEL, WORLD)
     record = fmt.record_bytes(fmt.chunk_numel(NUMEL, WORLD))
     assert a2a == ag == (WORLD - 1) * record
+    if name in INTS:  # 70,001 elements over 4 ranks: chunks of 17,664 (69 blocks), codes packed, 69 scales
+        assert record == 17_664 * CODE_BYTES[name] + 69 * 4
+    if name == TOPK:  # chunks of 17,501: the top 176 (1 %, rounded up), 8 bytes each
+        assert record == 176 * 8
+    elif name == TOPK_INT2:  # the same 176 entries: int32 indices, one scale, 44 bytes of ternary codes
+        assert record == 176 * 4 + 4 + 44
+    else:
+        assert (a2a, ag) == compressed_allreduce_bytes(
+            NUMEL, fmt.element_size, WORLD, fmt.block, fmt.scale_bytes, fmt.per_byte
+        )
     for r in comm_results:
+        # the records gloo carried: N in the all-to-all's input (its own stays), one into the all-gather
+        assert r[name]["record"] == record and r[name]["mine"] == record
+        assert r[name]["send"] == r[name]["recv"] == WORLD * record
         assert r[name]["bytes"] == 3 * (a2a + ag)  # three all-reduces, two collectives each
         assert r[name]["ops"] == r[name]["blocking"] == 6
         assert r[name]["workspaces"] == 1  # the buffers of the first all-reduce were reused
@@ -398,6 +493,17 @@ def test_gloo_async_compressed_all_reduce_is_in_flight_during_compute(comm_resul
         # ASYNC_COMPUTE_S = 0.05 s, 0.3 s before that: a handle that ignores the emulated link is caught
         assert not r["async_completed_during_compute"] or a["checked_s"] >= emulated, a
         assert a["blocked_s"] < a["done_s"]  # only what was left after the compute was waited for
+
+
+def test_a_compressed_parameter_average_keeps_batchnorm_statistics_exact(comm_results):
+    """The floating buffers are running statistics, not increments: they travel exactly beside the compressed
+    parameters (with int2 a ternary code of a variance's change took running variances below zero: NaN at eval)."""
+    for case in ("all", "part"):
+        rows = [r["bn"][case] for r in comm_results]
+        for row in rows:
+            assert row["buffers_exact"] and row["params_compressed"] and row["reference_taken"], (case, row)
+            assert row["min_running_var"] >= 0.4, (case, row)
+        assert len({row["checksum"] for row in rows}) == 1, case  # every rank holds the same average
 
 
 def test_gloo_link_emulation_charges_the_compressed_bytes(comm_results):
@@ -540,13 +646,19 @@ def test_bsp_gradient_bytes_are_the_compressed_count_plus_the_exact_buffers(stra
         assert ratio == pytest.approx(0.5 if compression == "bf16" else 0.25, abs=0.03)
 
 
-def test_parameter_averaging_bytes_are_the_compressed_count(strategy_results):
-    for res in strategy_results:
+def test_parameter_averaging_bytes_are_the_compressed_count_plus_the_exact_buffers(strategy_results):
+    """The parameters' changes in the wire format, the BatchNorm statistics exact beside them (running statistics: a
+    rounded change could take a running variance below zero)."""
+    from lightning_sync.comm.cost import gloo_ring_allreduce_bytes
+
+    for rank, res in enumerate(strategy_results):
         for name, compression in (("localsgd", "int8"), ("fedavg", "bf16")):
             r, fmt = res[name], FORMATS[compression]
-            per_sync = sum(
-                compressed_allreduce_bytes(r["numel"]["state"], fmt.element_size, 2, fmt.block, fmt.scale_bytes)
-            )
+            params, buffers = r["numel"]["params"], r["numel"]["buffers"]
+            assert buffers > 0 and params + buffers == r["numel"]["state"]  # the workload has BatchNorm
+            per_sync = sum(compressed_allreduce_bytes(params, fmt.element_size, 2, fmt.block, fmt.scale_bytes))
+            per_sync += gloo_ring_allreduce_bytes(buffers, 4, 2, rank)
+            assert r["ops"]["params"] == 3 * r["syncs"]  # all-to-all, all-gather, buffers
             assert r["bytes"]["params"] == r["syncs"] * per_sync
             # the average at the end goes the same way; none where the last step synced (FedAvg's, the epoch's
             # last): the replicas are identical there. Local SGD (period 4) ends local steps past its last sync.

@@ -89,10 +89,11 @@ def _suite(rank: int, out_dir: str) -> None:
             "bytes": [stats.bytes_sent["params"], stats.bytes_sent["final"]],
             "ops": [stats.ops["params"], stats.ops["final"]],
             "ref_bytes": [ref.comm_stats.bytes_sent["params"], ref.comm_stats.bytes_sent["final"]],
-            "numel": [
-                sum(t.numel() for t in tr.lightning_module.parameters())
-                + sum(b.numel() for b in tr.lightning_module.buffers() if b.is_floating_point())
-            ],  # one flat group (one dtype, one device)
+            # one flat group (one dtype, one device): the parameters compressed, the floating buffers exact
+            "numel": sum(t.numel() for t in tr.lightning_module.parameters()),
+            "buffers": [
+                (b.numel(), b.element_size()) for b in tr.lightning_module.buffers() if b.is_floating_point()
+            ],
         }
     # 3. the shared path on the periodic family: outer lr 1 reproduces plain averaging bit for bit (ADPSGD's S_k is
     #    measured against the mean before the outer step, so its periods are the same too; FedAvg averages one of the
@@ -190,7 +191,7 @@ def _suite(rank: int, out_dir: str) -> None:
     #    "as_given"
     def clipped(name, strategy, clip):
         tr = fit(name, strategy, gradient_clip_val=clip)
-        return tr.strategy.local_clip_factor
+        return tr.strategy.clipping.factor
 
     res["clip_factor"] = clipped("clip_scaled", DiLoCoStrategy(sync_every=H), CLIP)
     clipped("clip_as_given_sqrt2", DiLoCoStrategy(sync_every=H, local_clipping="as_given"), CLIP * 2**0.5)
@@ -245,7 +246,7 @@ def test_one_fragment_without_delay_equals_plain_diloco(suite):
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_compressed_plain_diloco_is_the_periodic_compressed_path_and_counts_wire_bytes(suite, codec):
     from lightning_sync.comm.compression import wire_format
-    from lightning_sync.comm.cost import compressed_allreduce_bytes
+    from lightning_sync.comm.cost import compressed_allreduce_bytes, gloo_ring_allreduce_bytes
 
     out, res = suite
     for rank in range(WORLD):
@@ -253,13 +254,15 @@ def test_compressed_plain_diloco_is_the_periodic_compressed_path_and_counts_wire
         assert_equal_in_exact_arithmetic(a, b, K, f"DiLoCo({codec}) vs the periodic compressed path")
         assert max_diff(_load(out, f"diloco_{codec}", 0), a) == 0.0  # identical global models
     fmt = wire_format(codec)
-    per_sync = sum(
-        sum(compressed_allreduce_bytes(n, fmt.element_size, WORLD, fmt.block, fmt.scale_bytes))
-        for n in res[0][f"diloco_{codec}"]["numel"]
-    )
-    for r in res:
+    for rank, r in enumerate(res):
         m = r[f"diloco_{codec}"]
-        assert m["bytes"] == [3 * per_sync, per_sync]  # 3 syncs (steps 2, 5, 8) and the final one, all compressed
+        # the parameters' changes in the wire format, the BatchNorm statistics exact beside them (one all-reduce)
+        (size,) = {e for _, e in m["buffers"]}  # the model's one dtype
+        buffers = sum(n for n, _ in m["buffers"])
+        assert buffers > 0  # the workload has BatchNorm
+        per_sync = sum(compressed_allreduce_bytes(m["numel"], fmt.element_size, WORLD, fmt.block, fmt.scale_bytes))
+        per_sync += gloo_ring_allreduce_bytes(buffers, size, WORLD, rank)
+        assert m["bytes"] == [3 * per_sync, per_sync]  # 3 syncs (steps 2, 5, 8) and the final one
         assert m["bytes"] == m["ref_bytes"]
     # the compressed mean moves the trajectory a little, not a lot, from the exact one
     assert 0 < max_diff(_load(out, f"diloco_{codec}"), _load(out, "diloco")) < 0.05
@@ -268,10 +271,12 @@ def test_compressed_plain_diloco_is_the_periodic_compressed_path_and_counts_wire
 def test_diloco_refuses_compression_with_streaming():
     from lightning_sync import DiLoCoStrategy
 
-    for kw in (dict(fragments=2), dict(delay=1), dict(alpha=0.5)):
-        with pytest.raises(ValueError, match=r"compression='bf16' needs plain DiLoCo \(fragments=1, delay=0"):
-            DiLoCoStrategy(sync_every=4, compression="bf16", **kw)
-    assert DiLoCoStrategy(sync_every=4, compression="int8").compression == "int8"
+    for codec in ("bf16", "int4", "int2"):
+        for kw in (dict(fragments=2), dict(delay=1), dict(alpha=0.5)):
+            with pytest.raises(ValueError, match=rf"compression='{codec}' needs plain DiLoCo \(fragments=1, delay=0"):
+                DiLoCoStrategy(sync_every=4, compression=codec, **kw)
+    for codec in ("int8", "int4", "int2"):
+        assert DiLoCoStrategy(sync_every=4, compression=codec).compression == codec
 
 
 @pytest.mark.parametrize("name", ["localsgd", "adpsgd", "fedavg", "selsync"])
@@ -410,16 +415,22 @@ def test_yaml_config_and_name():
 def test_the_clip_factor_counts_replicas_not_ranks():
     """sqrt(N) for N replicas: with replica groups a local gradient is already its replica's mean (4 ranks as 2
     replicas of 2: sqrt 2); a fault-tolerant run counts every replica group; "as_given": 1."""
-    from lightning_sync.strategies.clipping import LocalClipping
+    from types import SimpleNamespace
 
-    class Stub(LocalClipping):
-        def __init__(self, replicas, ft=None, mode="scaled"):
-            self.num_replicas, self.fault_tolerance, self.local_clipping = replicas, ft, mode
+    from lightning_sync.strategies.clipping import LocalClipping
+    from lightning_sync.strategies.ft_topology import FaultTolerantTopology
+    from lightning_sync.strategies.topology import FlatTopology
 
     class FT:
         replica_groups = 3
 
-    assert Stub(2).local_clip_factor == pytest.approx(2**0.5)
-    assert Stub(1).local_clip_factor == 1.0
-    assert Stub(1, FT()).local_clip_factor == pytest.approx(3**0.5)
-    assert Stub(4, mode="as_given").local_clip_factor == 1.0
+    def factor(replicas, ft=None, mode="scaled"):
+        host = SimpleNamespace(replicas=SimpleNamespace(num_replicas=replicas), fault_tolerance=ft, local_clipping=mode)
+        topology = FlatTopology(host)  # the layout's replicas (with replica groups: the replicas, not the ranks)
+        host.topology = topology if ft is None else FaultTolerantTopology(host, topology)
+        return LocalClipping(host).factor
+
+    assert factor(2) == pytest.approx(2**0.5)
+    assert factor(1) == 1.0
+    assert factor(1, FT()) == pytest.approx(3**0.5)
+    assert factor(4, mode="as_given") == 1.0

@@ -32,7 +32,8 @@ from lightning_sync.launch import free_port, kill_session
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TRAIN = EXAMPLES / "train.py"
-TIMEOUT = 240  # seconds for every command together (started at once); about 10-20 s each alone on 2 idle cores
+SHARDED = EXAMPLES / "train_sharded.py"
+TIMEOUT = 360  # seconds for every command together (started at once); about 10-30 s each alone on 2 idle cores
 #: what a launcher sets: removed, so that each command starts as if typed in a fresh shell
 LAUNCHER_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
@@ -65,6 +66,9 @@ def _commands() -> dict[str, list[tuple[list[str], dict[str, str]]]]:
         "localsgd": [(_train("--strategy", "localsgd", "--strategy-arg", "period=2"), {})],
         "ddp": [(_train("--strategy", "ddp"), {})],
         "bad_argument": [(_train("--strategy", "localsgd", "--strategy-arg", "period=0"), {})],
+        # a model that needs sharding: 4 processes as 2 replicas x 2 shards, and Lightning's FSDP2 over all 4
+        "sharded_diloco": [([sys.executable, str(SHARDED), "--max-steps", "6", "--strategy-arg", "sync_every=3"], {})],
+        "sharded_fsdp": [([sys.executable, str(SHARDED), "--max-steps", "6", "--strategy", "fsdp"], {})],
     }
     if TORCHRUN is not None:
         standalone = [TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2"]
@@ -154,6 +158,24 @@ def test_train_py_launches_two_processes_and_prints_the_result(launched, strateg
     else:
         assert "lssr" not in result  # Lightning's DDPStrategy has no sync_metrics()
     assert (done.cwd / "runs" / "train" / strategy / "version_0" / "metrics.csv").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "fsdp"])
+def test_train_sharded_py_shards_the_model_in_each_replica(launched, strategy):
+    """examples/train_sharded.py: DiLoCo between 2 replicas of 2 shards (rank 0 holds half the model and sends its
+    shard between the replicas), and Lightning's ModelParallelStrategy over all 4 ranks (a quarter of the model)."""
+    done = launched[f"sharded_{strategy}"].wait()
+    assert done.returncodes == [0], done.stderr[-4000:]
+    result = _result(done.stdout)
+    assert result["strategy"] == strategy and result["world_size"] == 4 and result["global_step"] == 6
+    assert 0.0 <= result["val_acc"] <= 1.0
+    shards = 2 if strategy == "diloco" else 4
+    # rank 0's shard of each layer: its rows, FSDP2's first (largest) share along dim 0 (the 10-row head: 3 of 10)
+    assert result["parameters"] / shards <= result["local_parameters"] < result["parameters"] / shards + 1024
+    if strategy == "diloco":
+        assert result["lssr"] == pytest.approx(4 / 6) and result["bytes_between_replicas"] > 0  # syncs at 3 and 6
+    else:
+        assert "lssr" not in result  # Lightning's ModelParallelStrategy has no sync_metrics()
 
 
 def test_a_bad_strategy_argument_fails_with_the_strategys_message(launched):

@@ -71,6 +71,8 @@ RUNS = {
     "fedavg": dict(args={"fraction": 0.6, "syncs_per_epoch": 4}, max_steps=90),
     # period 1 for the first epoch, then adapting from S_k, all-reduced over the quorum inside each sync's commit
     "adpsgd": dict(args={"p_init": 2, "warmup_epochs": 1, "max_period": 6, "verify_sync": True}, max_steps=90),
+    # DDP's semantics: the gradients averaged over the quorum every step (a quorum at every step's end)
+    "bsp": dict(args={"verify_sync": True}, max_steps=126),
 }
 
 
@@ -238,6 +240,7 @@ def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps
     [
         "localsgd",
         "diloco_streaming",
+        "bsp",
         *(
             pytest.param(name, marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))
             for name in ("diloco", "fedavg", "adpsgd")
@@ -250,17 +253,22 @@ def test_a_killed_replica_group_restarts_and_rejoins_while_the_others_keep_train
 
 
 @pytest.mark.timeout(3 * LIMIT_S)
-def test_a_replica_group_of_two_processes_is_one_replica_that_survives_losing_a_node(run_dir):
+@pytest.mark.parametrize(
+    "strategy",
+    ["localsgd", pytest.param("bsp", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))],
+)
+def test_a_replica_group_of_two_processes_is_one_replica_that_survives_losing_a_node(strategy, run_dir):
     """A replica group is a node of 2 processes (``replica_size="node"``: exact data parallelism inside, the method
     between groups; its first process is the group's member of the quorum and the other follows it): the whole node
     is killed and started again, and everything asserted for one-process groups holds."""
-    run = run_dir("localsgd")
-    results = _kill_restart_and_check(run, RUNS["localsgd"]["max_steps"], procs_per_group=2, kill_at=20)
+    run = run_dir(strategy)
+    results = _kill_restart_and_check(run, RUNS[strategy]["max_steps"], procs_per_group=2, kill_at=20)
+    between = "params" if strategy == "localsgd" else "grads"
     for result in results:
         assert result["world_size"] == 2
         # inside the group: the exact gradient all-reduce every step, and the leader's results shared
-        assert result["bytes"].get("intra/grads", 0) > 0 and result["bytes"].get("intra/params", 0) > 0
-        assert result["bytes"].get("params", 0) > 0  # between groups: the leader's averages
+        assert result["bytes"].get("intra/grads", 0) > 0 and result["bytes"].get(f"intra/{between}", 0) > 0, result
+        assert result["bytes"].get(between, 0) > 0  # between groups: the leader's averages
 
 
 @pytest.mark.timeout(3 * LIMIT_S)
@@ -341,6 +349,10 @@ def test_a_replica_group_that_never_returns_leaves_the_others_to_finish_with_one
     for g in (0, 2):
         syncs = [r for r in run.progress(g) if r["synced"]]
         assert all(r["replicas"] == GROUPS - 1 for r in syncs if r["step"] > KILL_AT + 8)
+        # the user is told: a warning when the quorum lost the group, and no heal counted for a survivor's start
+        text = (run.out / f"g{g}.log").read_text()
+        assert f"this sync's quorum has {GROUPS - 1} of {GROUPS} replica groups (the last one had {GROUPS})" in text
+        assert run.results(g)[0]["metrics"]["ft_heals"] == 0
     assert run.results(0)[0]["checksum"] == run.results(2)[0]["checksum"]
     assert run.results(1) == []
 
@@ -441,13 +453,18 @@ def test_fault_tolerance_is_refused_where_it_cannot_work_and_validated(monkeypat
     DiLoCoStrategy(sync_every=4, fragments=2, delay=1, fault_tolerance=ft)
     FedAvgStrategy(fraction=0.5, fault_tolerance=ft)
     ADPSGDStrategy(fault_tolerance=ft)
+    BSPStrategy(fault_tolerance=ft)
+    BSPStrategy(bucket_cap_mb=None, fault_tolerance=ft)
+    with pytest.raises(ValueError, match="does not support find_unused_parameters=True: which parameters no rank used"):
+        BSPStrategy(find_unused_parameters=True, fault_tolerance=ft)
     with pytest.raises(ValueError, match="must be None for SelSyncStrategy, which cannot run fault-tolerant: .*vote"):
         SelSyncStrategy(fault_tolerance=ft)
-    for cls in (BSPStrategy, OSPStrategy, ASPStrategy, SSPStrategy, ALADDINStrategy, SyncSwitchStrategy):
+    for cls in (OSPStrategy, ASPStrategy, SSPStrategy, ALADDINStrategy, SyncSwitchStrategy):
         with pytest.raises(ValueError, match=f"{cls.__name__}, which cannot run fault-tolerant"):
             cls(fault_tolerance=ft)
-    with pytest.raises(ValueError, match="does not support compression='int8'"):
-        LocalSGDStrategy(fault_tolerance=ft, compression="int8")
+    for codec in ("int8", "int4", "int2"):
+        with pytest.raises(ValueError, match=f"does not support compression='{codec}'"):
+            LocalSGDStrategy(fault_tolerance=ft, compression=codec)
     with pytest.raises(ValueError, match="fault_tolerance must be a lightning_sync.FaultTolerance"):
         LocalSGDStrategy(fault_tolerance={"lighthouse": "http://x:1"})
 

@@ -112,13 +112,31 @@ def _fork_run(rank: int, out: str, names: list[str]) -> None:
     ShardServer.push = _held_push(ShardServer.push)
 
     class ForkWhileServing(Callback):
-        """Rank 0: at two batches, hold the server thread inside a push and create worker iterators meanwhile."""
+        """Rank 0: at two batches, hold the server thread inside a push and create worker iterators meanwhile.
+
+        Rank 1 starts its next batch only once rank 0 is ready to hold (a file in ``out``): the ranks of the
+        parameter-server strategies run at their own pace, and without it rank 1 may have pushed its last push of
+        the epoch, or be held by SSP's staleness bound waiting for rank 0, when rank 0 waits for its next push."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _ready(self, trainer, batch_idx) -> Path:
+            return Path(out, f"ready-{self.name}-{trainer.current_epoch}-{batch_idx}")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank != 1 or batch_idx not in (2, 4) or getattr(trainer.strategy, "_ps", None) is None:
+                return
+            ready, deadline = self._ready(trainer, batch_idx - 1), time.monotonic() + 60
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_rank != 0 or batch_idx not in (1, 3) or getattr(trainer.strategy, "_ps", None) is None:
                 return
             _HOLDING.clear()
             _HOLD.set()
+            self._ready(trainer, batch_idx).touch()
             held = _HOLDING.wait(timeout=30)  # rank 1's next push reaches the server thread
             loader = _loader(8, 9, worker_init_fn=_check_lock_in_worker(out))
             next(iter(loader))
@@ -138,7 +156,11 @@ def _fork_run(rank: int, out: str, names: list[str]) -> None:
         model = _module()
         trainer = pl.Trainer(
             **quiet_trainer_kwargs(num_sanity_val_steps=1),
-            accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, callbacks=[ForkWhileServing()],
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_epochs=2,
+            callbacks=[ForkWhileServing(name)],
         )
         trainer.fit(model, _loader(400, 0), _loader(16, 1))
         for what in ("validate", "test", "predict"):
@@ -155,7 +177,9 @@ def test_a_fork_during_training_copies_no_lock_the_pack_threads_hold_and_none_ou
     children = [json.loads(p.read_text()) for p in tmp_path.glob("child-*.json")]
     # rank 0 held its server thread inside a push at two batches of each of 2 epochs, in the three PS strategies' fits
     held = [f for name in names[:3] for f in res[0][name]["forks"] if "held" in f]
-    assert len(held) == 3 * 2 * 2 and all(f["held"] for f in held)
+    assert len(held) == 3 * 2 * 2 and all(f["held"] for f in held), {
+        name: [f["held"] for f in res[0][name]["forks"] if "held" in f] for name in names[:3]
+    }
     assert len(children) == len(held)
     assert all(c["server_lock_free"] for c in children), children  # the fork waited for the push to end
     for r in range(2):
@@ -189,7 +213,9 @@ def _stalled_validate(rank: int, out: str) -> None:
 
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        **quiet_trainer_kwargs(), accelerator="cpu", devices=2,
+        **quiet_trainer_kwargs(),
+        accelerator="cpu",
+        devices=2,
         strategy=lightning_sync.ASPStrategy(timeout=timedelta(seconds=5)),
     )
     start = time.monotonic()
@@ -239,7 +265,10 @@ def _late_rank(rank: int, out: str) -> None:
 
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        **quiet_trainer_kwargs(), accelerator="cpu", devices=2, max_epochs=2,
+        **quiet_trainer_kwargs(),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
         strategy=lightning_sync.ASPStrategy(timeout=timedelta(seconds=30)),
         callbacks=[Rank1StartsLate(), EarlyStopping(monitor="val_loss", patience=5)],
     )

@@ -11,8 +11,7 @@ benchmarks/golden.py compare --ref <commit>``, run before a refactoring commit l
 CI replays a representative subset (one launch of 2 ranks, one of 4: plain and compressed averaging, gradient and
 parameter averaging, streaming DiLoCo's fragments in flight, Sync-Switch's BSP phase and switch,
 replica groups; no decision that a threshold takes on floating-point data, so another machine's rounding cannot
-flip one); ``LIGHTNING_SYNC_SLOW_TESTS=1`` replays every recorded case. The fault-tolerant cases are in the
-registry but not recorded yet (they fail intermittently on this machine: ``benchmarks/golden_cases.py``).
+flip one); ``LIGHTNING_SYNC_SLOW_TESTS=1`` replays every case, the fault-tolerant ones included.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import golden  # noqa: E402  (benchmarks/golden.py)
-from golden_cases import CASES, FAULT_TOLERANT, GROUPED, METHODS, UNCOMPRESSED, UNRECORDED  # noqa: E402
+from golden_cases import CASES, FAULT_TOLERANT, GROUPED, METHODS, UNCOMPRESSED  # noqa: E402
 
 SLOW = os.environ.get("LIGHTNING_SYNC_SLOW_TESTS") == "1"
 SUBSET = (
@@ -39,7 +38,7 @@ SUBSET = (
     "sync_switch/flat/bf16",
     "diloco/grouped/fp32",
 )
-REPLAYED = tuple(n for n in CASES if n not in UNRECORDED) if SLOW else SUBSET
+REPLAYED = tuple(CASES) if SLOW else SUBSET
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +61,7 @@ def test_every_case_is_recorded_and_every_strategy_layout_has_cases(recorded):
     """The registry covers every strategy in every layout it accepts, and the JSON holds every case of it."""
     import lightning_sync.strategies as S
 
-    assert set(recorded["cases"]) == set(CASES) - set(UNRECORDED), "run: python benchmarks/golden.py record --cases ..."
-    assert set(UNRECORDED) == {n for n, c in CASES.items() if c.layout == "ft"}  # only these, until they run reliably
+    assert set(recorded["cases"]) == set(CASES), "run: python benchmarks/golden.py record --cases ..."
     classes = {name: getattr(S, cls) for name, (cls, _) in METHODS.items()}
     assert {cls.strategy_name for cls in classes.values()} == {cls.strategy_name for cls in S.STRATEGIES}
     grouped = {m for m, cls in classes.items() if cls.replica_groups_refusal is None}

@@ -89,7 +89,8 @@ def _where_it_trains():
                 self.devices.update(g.state.device.type for g in flat.groups)
 
         def on_after_backward(self, trainer, pl_module):
-            buckets = getattr(trainer.strategy, "_grad_buckets", None)
+            overlap = getattr(trainer.strategy, "overlap", None)  # a SyncStrategy's gradient buckets
+            buckets = overlap.buckets if overlap is not None else None
             if buckets is not None and buckets.armed:
                 self.launched_during_backward.append(buckets.launched_during_backward)
 

@@ -16,6 +16,7 @@ SelSync's decision on the device.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ class HostSelSync(SelSyncStrategy):
         assert self.host is not None
         self.host_delta = self.host.update(float(self.flat.grad_sq_norm()))
         self._vote2[0] = 1.0 if wants_sync(self.host_delta, self.delta) else 0.0
-        self._vote2[1] = self._sigterm_flag()
+        self._vote2[1] = self.sigterm.flag()
         return self._vote2  # one buffer: Alg. 1's order only (vote="exact")
 
     def _resolve_vote(self, vote: Any) -> bool:
@@ -102,6 +103,31 @@ class ThreadSelSync(SelSyncStrategy):
     gradients take it): the path a GPU takes, exercised here."""
 
     _decide_off_thread = True
+
+
+class LateDriverSelSync(ThreadSelSync):
+    """The driver thread's path with each step's decision taken only once the training thread has launched the next
+    step's vote (or after 2 s: the last step's): the order a loaded machine can take, forced. The decision must still
+    read its own step's norm."""
+
+    def _on_flat_ready(self) -> None:
+        super()._on_flat_ready()
+        self._launches = 0
+        self._decisions = 0
+        self._launched_cond = threading.Condition()
+
+    def _launch_vote(self) -> Any:
+        vote = super()._launch_vote()
+        with self._launched_cond:
+            self._launches += 1
+            self._launched_cond.notify_all()
+        return vote
+
+    def _write_vote(self, *args: Any) -> float:  # on the driver thread, in launch order
+        self._decisions += 1
+        with self._launched_cond:
+            self._launched_cond.wait_for(lambda: self._launches > self._decisions, timeout=2.0)
+        return super()._write_vote(*args)
 
 
 def _suite(rank: int, out_dir: str) -> None:
@@ -188,7 +214,7 @@ def _suite(rank: int, out_dir: str) -> None:
             self.handles = []
 
         def on_after_backward(self, trainer, pl_module):
-            self.steps[-1].append(["backward_end", trainer.strategy._grad_buckets.launched_during_backward])
+            self.steps[-1].append(["backward_end", trainer.strategy.overlap.buckets.launched_during_backward])
 
     order = EventOrder()
     link = LinkModel(EMULATED)
@@ -212,8 +238,9 @@ def _suite(rank: int, out_dir: str) -> None:
             ("host", HostSelSync),
             ("default", SelSyncStrategy),
             ("thread", ThreadSelSync),
+            ("late", LateDriverSelSync),
         ):
-            if cls is HostSelSync and vote == "overlapped":
+            if (cls is HostSelSync and vote == "overlapped") or (cls is LateDriverSelSync and vote != "overlapped"):
                 continue
             decisions = Decisions()
             name = f"sel_{agg}_{label}" + ("_overlapped" if vote == "overlapped" else "")
@@ -326,7 +353,8 @@ def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg)
         assert device["tracker"] == "DeviceGradientChangeTracker"
         assert default["tracker"] == "GradientChangeTracker"  # gradients on the CPU: decided on the host, inline
         assert thread["tracker"] == "GradientChangeTracker" and thread["off_thread"] and not default["off_thread"]
-        for other in (host, default, thread):
+        others = (default, thread, r[f"sel_{agg}_late{key}"]) if overlapped else (host, default, thread)
+        for other in others:
             assert device["rows"] == other["rows"]  # voters, Delta (exact float), syncs so far, at every step
             assert device["lssr"] == other["lssr"]
         assert 0 < device["rows"][-1][2] < 40  # a mix of sync and local steps
@@ -335,7 +363,7 @@ def test_selsync_device_tracker_matches_the_host_tracker_bit_for_bit(suite, agg)
         assert thread["vote_bytes"] == device["vote_bytes"] == default["vote_bytes"]
     for rank in range(WORLD):
         dev = params(f"sel_{agg}_device{key}", rank)
-        for label in ("default", "thread") if overlapped else ("host", "default", "thread"):
+        for label in ("default", "thread", "late") if overlapped else ("host", "default", "thread"):
             other = params(f"sel_{agg}_{label}{key}", rank)
             assert all(torch.equal(dev[k], other[k]) for k in dev)
 

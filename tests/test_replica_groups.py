@@ -43,7 +43,16 @@ TIMEOUT = timedelta(seconds=120)
 #: the emulated links of the per-level run: between replicas, inside a replica (bits per second)
 INTER_BPS, INTRA_BPS = 20e6, 100e6
 #: grouped methods whose every sync hands every rank the global model (the four ranks identical right after it)
-SYNC_MAKES_IDENTICAL = ("localsgd", "fedavg", "adpsgd", "diloco", "selsync", "selsync_exact", "localsgd_int8")
+SYNC_MAKES_IDENTICAL = (
+    "localsgd",
+    "fedavg",
+    "adpsgd",
+    "diloco",
+    "selsync",
+    "selsync_exact",
+    "localsgd_int8",
+    "localsgd_topk_int2",
+)
 #: every method that runs grouped, with verify_sync on (a step-by-step probe beside it)
 GROUPED = (*SYNC_MAKES_IDENTICAL, "diloco_streaming", "selsync_gradients", "bsp")
 
@@ -55,6 +64,8 @@ def _grouped(name: str):
     return {
         "localsgd": lambda: S.LocalSGDStrategy(period=4, **kw),
         "localsgd_int8": lambda: S.LocalSGDStrategy(period=3, compression="int8", **kw),
+        # the sparse format with ternary values between the replicas' leaders, as topk goes
+        "localsgd_topk_int2": lambda: S.LocalSGDStrategy(period=3, compression="topk:0.05+int2", **kw),
         "fedavg": lambda: S.FedAvgStrategy(fraction=0.5, syncs_per_epoch=3, **kw),
         "adpsgd": lambda: S.ADPSGDStrategy(p_init=2, warmup_epochs=1, **kw),
         "diloco": lambda: S.DiLoCoStrategy(sync_every=4, **kw),
@@ -203,9 +214,9 @@ def _suite(rank: int, out_dir: str) -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             st = trainer.strategy
             self.clocks = [
-                st._intra.clock is not None and st._intra.clock is not st.comm.clock,
-                st._intra.link.bits_per_second == INTRA_BPS,
-                st._inter is None or st._inter.clock is st.comm.clock,
+                st.replicas.intra.clock is not None and st.replicas.intra.clock is not st.comm.clock,
+                st.replicas.intra.link.bits_per_second == INTRA_BPS,
+                st.replicas.inter is None or st.replicas.inter.clock is st.comm.clock,
             ]
 
     clocks = Clocks()
@@ -364,3 +375,25 @@ def test_refused_at_setup_saying_why(suite):
         assert "replica_size must divide the world size 4" in r["refused_divisor"]
         assert "intra_link emulates the link inside a replica group" in r["refused_intra_link"]
         assert "written with 2 rank(s) per replica; this run has 1" in r["refused_resume"]
+
+
+def test_the_topology_says_when_a_fit_has_nobody_to_synchronise_with():
+    """The warning at setup comes from the topology: one rank flat, one replica of several ranks; never for a
+    fault-tolerant replica group (its peers are other processes). The run's replica count scales local clipping."""
+    from types import SimpleNamespace
+
+    from lightning_sync.strategies.ft_topology import FaultTolerantTopology
+    from lightning_sync.strategies.topology import FlatTopology, GroupedTopology
+
+    def host(world, replicas):
+        ft = SimpleNamespace(replica_groups=3)
+        return SimpleNamespace(world_size=world, replica_size=world, replicas=SimpleNamespace(num_replicas=replicas),
+                               fault_tolerance=ft)  # fmt: skip
+
+    assert "world size 1" in FlatTopology(host(1, 1)).alone()
+    assert FlatTopology(host(2, 2)).alone() is None
+    assert "all 4 ranks form one replica" in GroupedTopology(host(4, 1)).alone()
+    assert GroupedTopology(host(4, 2)).alone() is None
+    fault_tolerant = FaultTolerantTopology(host(1, 1), FlatTopology(host(1, 1)))
+    assert fault_tolerant.alone() is None and fault_tolerant.has_peers
+    assert fault_tolerant.replicas_in_run == 3 and GroupedTopology(host(4, 2)).replicas_in_run == 2

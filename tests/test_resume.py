@@ -18,9 +18,9 @@ from a checkpoint of the same run, then the tests compare them:
 * **Sync-Switch** (BSP for the first half of the workload, then ASP): a checkpoint in the BSP phase resumes exactly
   (the switch happens at the same step and position, with bit-identical replicas); one in the ASP phase restores the
   state exactly, as the asynchronous strategies.
-* **Compressed** (``compression="int8"``: per-rank error-feedback residuals, and the reference of compressed parameter
-  averaging): BSP, local SGD and plain DiLoCo resume exactly like their uncompressed runs, ASP restores its state
-  (the push residuals included) exactly.
+* **Compressed** (``compression="int8"``, and ``"int2"`` for the packed formats: per-rank error-feedback residuals,
+  and the reference of compressed parameter averaging): BSP, local SGD and plain DiLoCo resume exactly like their
+  uncompressed runs, ASP restores its state (the push residuals included) exactly.
 * **Replica groups** (``replica_size=2`` on 4 processes: 2 replicas x 2 ranks, a second module fixture): every method
   that runs grouped resumes mid-epoch exactly like the deterministic strategies above (each replica's state, the
   outer optimizer's, the schedule's, the fragment or vote in flight), ``verify_sync`` checking both levels at every
@@ -47,8 +47,11 @@ TIMEOUT = timedelta(seconds=120)
 SLOWMO = {"name": "sgd", "lr": 1.0, "momentum": 0.5}
 EXACT = ("bsp", "selsync", "localsgd", "fedavg", "adpsgd", "osp", "diloco")
 ASYNC = ("asp", "ssp", "aladdin")
-#: compressed cases (int8: residuals and the averaging reference are per-rank state), run like EXACT and ASYNC
-COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8", "diloco_int8")
+#: compressed cases (int8, int2, topk: residuals and the averaging reference are per-rank state), run like EXACT and
+#: ASYNC
+COMPRESSED_EXACT = ("bsp_int8", "localsgd_int8", "diloco_int8", "diloco_int2", "localsgd_topk", "diloco_topk_int2")
+#: each compressed case's compression where its name does not end with it
+COMPRESSION_OF = {"localsgd_topk": "topk:0.05", "diloco_topk_int2": "topk:0.05+int2"}
 #: other settings of a strategy that resume exactly: SelSync in Alg. 1's vote order (the default, "overlapped", is
 #: "selsync" above: its checkpoint is taken with the previous step's vote in flight, which decides after the resume)
 VARIANTS_EXACT = ("selsync_exact",)
@@ -101,6 +104,15 @@ def _strategy(name: str):
         "asp_int8": lambda: S.ASPStrategy(compression="int8", **common),
         # plain DiLoCo (its default outer optimizer, chosen at setup) with int8: outer state, residuals, reference
         "diloco_int8": lambda: S.DiLoCoStrategy(outer_optimizer=SLOWMO, sync_every=4, compression="int8", **sync),
+        # the same with int2 (ternary codes packed four to a byte): the packed format's residuals resume exactly
+        "diloco_int2": lambda: S.DiLoCoStrategy(outer_optimizer=SLOWMO, sync_every=4, compression="int2", **sync),
+        # sparse (the top 5 % of each chunk, its indices beside): residuals hold what was not sent, and resume
+        "localsgd_topk": lambda: S.LocalSGDStrategy(period=3, compression="topk:0.05", **sync),
+        # sparse with ternary values, under DiLoCo's outer optimizer: the residuals hold what neither the selection
+        # nor the quantisation sent, and resume
+        "diloco_topk_int2": lambda: S.DiLoCoStrategy(
+            outer_optimizer=SLOWMO, sync_every=4, compression="topk:0.05+int2", **sync
+        ),
         # replica groups: the same settings, 2 ranks per replica; checkpoints after 7 steps (5 per epoch)
         "bsp_grouped": lambda: S.BSPStrategy(**grouped),
         "selsync_grouped": lambda: S.SelSyncStrategy(delta=0.05, **grouped),  # the previous step's vote in flight
@@ -430,14 +442,15 @@ def test_compressed_checkpoint_parts_hold_the_error_feedback_residuals(suite, na
     parts = [_part(out, name, ckpt, rank)["strategy_state"]["compression"] for rank in range(WORLD)]
     for part in parts:
         streams = part["residuals"]["feedback"]
-        assert part["residuals"]["compression"] == "int8" and streams
+        codec = COMPRESSION_OF.get(name, name.rpartition("_")[2])
+        assert part["residuals"]["compression"] == codec and streams
         assert all(float(s["worker"].abs().sum()) > 0 for s in streams.values())  # something was carried over
     # the residuals are each rank's own (ASP's are per remote server: push/<other rank>); the reference of parameter
     # averaging is the same on every rank
     mine, theirs = parts[0]["residuals"]["feedback"], parts[1]["residuals"]["feedback"]
     for key in set(mine) & set(theirs):
         assert not torch.equal(mine[key]["worker"], theirs[key]["worker"])
-    if name in ("localsgd_int8", "diloco_int8"):
+    if name in ("localsgd_int8", "diloco_int8", "diloco_int2", "localsgd_topk", "diloco_topk_int2"):
         assert all(torch.equal(a, b) for a, b in zip(parts[0]["reference"], parts[1]["reference"]))
     else:
         assert parts[0]["reference"] is None  # BSP and ASP never average parameters
@@ -471,3 +484,40 @@ def test_sync_switch_resumed_in_the_asp_phase_restores_the_state_exactly(suite):
         assert _strip(start["state"]) == _strip(part["strategy_state"])
         resumed = _load(out / f"sync_switch_resumed_asp_rank{rank}.pt")
         assert len(resumed["state"]["sync_switch"]["switches"]) == 1  # no second switch after the resume
+
+
+def test_declared_state_fields_save_restore_and_refuse_another_strategys_checkpoint():
+    """``state_fields`` (``strategies/state.py``), in process: a leading underscore is dropped from the key, an object
+    with ``state_dict`` is saved as that and rebuilt by its ``_new_<key>`` factory, a subclass adds its own fields
+    (``{key: names}``: one dict), values are copies, and a checkpoint without a declared field raises naming it."""
+    from lightning_sync.strategies import ADPSGDStrategy, LocalSGDStrategy, SyncSwitchStrategy
+    from lightning_sync.strategies.state import load_declared_state, save_declared_state
+
+    local = LocalSGDStrategy(period=3)
+    local._step = 7
+    assert save_declared_state(local) == {"step": 7}
+    restored = LocalSGDStrategy(period=3)
+    load_declared_state(restored, {"step": 7})
+    assert restored._step == 7
+    with pytest.raises(ValueError, match="'step'.*LocalSGDStrategy"):
+        load_declared_state(restored, {"round": 2})  # FedAvg's
+
+    adpsgd = ADPSGDStrategy(p_init=2)
+    assert save_declared_state(adpsgd) == {"controller": None}  # built at train start: nothing to restore yet
+    load_declared_state(adpsgd, {"controller": None})
+    assert adpsgd.controller is None
+    adpsgd.controller = adpsgd._new_controller()
+    saved = save_declared_state(adpsgd)
+    assert saved == {"controller": adpsgd.controller.state_dict()}
+    fresh = ADPSGDStrategy(p_init=2)
+    load_declared_state(fresh, saved)
+    assert fresh.controller is not None and fresh.controller.state_dict() == saved["controller"]
+
+    switch = SyncSwitchStrategy()
+    switch.switches.append({"from": "bsp", "to": "asp"})
+    saved = save_declared_state(switch)
+    assert saved == {
+        "async_pushes": 0,  # ASP's field, at the top level
+        "sync_switch": {"protocol": "bsp", "next_protocol": None, "bsp_batches": 0, "switches": switch.switches},
+    }
+    assert saved["sync_switch"]["switches"] is not switch.switches  # a copy: later switches do not change it

@@ -203,6 +203,27 @@ def choice_arg(name: str, choices: tuple, message: str, note: str = "") -> Arg:
 
 
 # ------------------------------------------------------------------------------------- argument-specific values
+_DENSE = choice_arg(
+    "compression",
+    (None, "bf16", "fp16", "int8", "int4", "int2"),
+    r"compression must be None, 'bf16', 'fp16', 'int8', 'int4' or 'int2', or 'topk:<fraction>' with 0 < fraction < 1",
+    note="what the tensors can take (floating point; a cast narrower than the data; sparse: changes only) is checked "
+    "at setup",
+)
+#: the dense formats, and the sparse "topk:<fraction>" for any fraction in (0, 1), with fp32 or narrow values
+_FRACTIONS = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)
+_COMPRESSION = replace(
+    _DENSE,
+    allowed=_DENSE.allowed + ", or 'topk:<fraction>' with 0 < fraction < 1, optionally '+int8', '+int4' or '+int2'",
+    valid=_DENSE.valid
+    | _FRACTIONS.map(lambda f: f"topk:{f!r}")
+    | st.builds("topk:{!r}+{}".format, _FRACTIONS, st.sampled_from(["int8", "int4", "int2"])),
+    invalid=_DENSE.invalid
+    | st.sampled_from(["topk:0", "topk:1", "topk:2", "topk:-0.5", "topk:nan", "topk:", "topk:x", "TOPK:0.1"])
+    | st.sampled_from(["topk:0.01+", "topk:0.01+bf16", "topk:0.01+int3", "topk:0.01+INT2", "topk:1+int2"]),
+    edges_valid=(*_DENSE.edges_valid, "topk:0.01", "topk:1e-300", "topk:0.9999999", "topk:0.01+int2"),
+    edges_invalid=(*_DENSE.edges_invalid, "topk:0", "topk:1", "topk:inf", "topk:0.01+int2+int2"),
+)
 _UNIT = st.floats(0.0, 1.0, exclude_min=True, allow_nan=False)
 _BAD_UNIT = st.one_of(
     st.floats(max_value=0.0, allow_nan=False),
@@ -427,13 +448,17 @@ def base_specs(parameter_server: bool = False, replica_groups: bool = True) -> d
         "link": _link_arg("link"),
         "replica_size": _REPLICA_SIZE if replica_groups else _refused("replica_size", _REPLICA_SIZE),
         "intra_link": intra_link if replica_groups else _refused("intra_link", intra_link),
-        "verify_sync": bool_arg("verify_sync"),
-        "compression": choice_arg(
-            "compression",
-            (None, "bf16", "fp16", "int8"),
-            r"compression must be None, 'bf16', 'fp16' or 'int8'",
-            note="what the tensors can take (floating point; a cast narrower than the data) is checked at setup",
+        "sharded": replace(
+            bool_arg("sharded"),
+            allowed="a bool; True needs replica_size and a method that runs sharded (BSP, SelSync, local SGD, "
+            "FedAvg, ADPSGD, DiLoCo)",
+            valid=st.just(False),
+            edges_valid=(False,),
+            note="True alone raises for a missing replica_size, and the parameter-server family, OSP and Sync-Switch "
+            "refuse it, saying why: tests/test_sharded.py, tests/test_sharded_methods.py",
         ),
+        "verify_sync": bool_arg("verify_sync"),
+        "compression": _COMPRESSION,
         "sync_stats": bool_arg("sync_stats"),
         "fault_tolerance": _fault_tolerance_arg(supported=False),
         "local_clipping": choice_arg(
@@ -617,6 +642,7 @@ _EVALUATE = choice_arg("evaluate", ("average", "last_sync"), r"evaluate must be 
 SPECS: dict[type, dict[str, Arg]] = {
     BSPStrategy: _with(
         base_specs(),
+        fault_tolerance=_fault_tolerance_arg(supported=True),
         bucket_cap_mb=_BUCKET_CAP,
         find_unused_parameters=bool_arg("find_unused_parameters"),
     ),
@@ -940,6 +966,7 @@ def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_t
         "injection_seed",
         "compression",
         "replica_size",
+        "sharded",
         "intra_link",
         "fault_tolerance",
         "local_clipping",

@@ -52,15 +52,25 @@ class Grid:
     shared_gpu: bool = False  #: every rank on GPU 0 over gloo, as one-GPU nodes on one machine
 
 
-def plan_grid(grid: Grid, groups: list[tuple[str, str | None]], rows: list[Row]) -> list[PlannedRun]:
+def plan_grid(
+    grid: Grid,
+    groups: list[tuple[str, str | None]],
+    rows: list[Row],
+    rows_for: Callable[[str, int], list[Row]] | None = None,
+) -> list[PlannedRun]:
     """Every (link, seed, row) run, in that order (the rows of one seed run back to back, so a change in the
     machine's load falls on all methods alike): its folder, overlay and ``fit`` arguments written, or the reason it
-    cannot run."""
+    cannot run. ``rows_for(group, seed)``: the rows of that link and seed, when they are not ``rows`` everywhere
+    (``compare --project-ddp``: DDP's step timing in place of its row at a projected link)."""
+
+    def rows_of(group: str, seed: int) -> list[Row]:
+        return rows if rows_for is None else rows_for(group, seed)
+
     planned: list[PlannedRun] = []
-    total = len(groups) * len(grid.seeds) * len(rows)
+    total = sum(len(rows_of(group, seed)) for group, _ in groups for seed in grid.seeds)
     for group, link in groups:
         for seed in grid.seeds:
-            for row in rows:
+            for row in rows_of(group, seed):
                 run_dir = grid.out / slug(group) / slug(row.label) / f"seed{seed}"
                 result = RunResult(row.label, seed, group, run_dir)
                 progress = f"({len(planned) + 1}/{total}) {group} {row.label} seed {seed}"
@@ -113,13 +123,14 @@ def run_grid(
     groups: list[tuple[str, str | None]],
     rows: list[Row],
     on_done: Callable[[RunResult], None] | None = None,
+    rows_for: Callable[[str, int], list[Row]] | None = None,
 ) -> list[RunResult]:
-    """Every (link, seed, row) run (:func:`plan_grid`'s order); a row that cannot run is a failed result, the others
-    still run. With :attr:`Grid.workers` the runs go through worker processes started once
-    (:mod:`lightning_sync.benchmark.workers`), else each is its own ``lightning-sync fit``. ``on_done`` is called
-    with each run's result as soon as it has one."""
+    """Every (link, seed, row) run (:func:`plan_grid`'s order, ``rows_for`` as there); a row that cannot run is a
+    failed result, the others still run. With :attr:`Grid.workers` the runs go through worker processes started
+    once (:mod:`lightning_sync.benchmark.workers`), else each is its own ``lightning-sync fit``. ``on_done`` is
+    called with each run's result as soon as it has one."""
     clock_start = time.perf_counter()
-    planned = plan_grid(grid, groups, rows)
+    planned = plan_grid(grid, groups, rows, rows_for)
     if grid.workers and grid.cluster is None:
         return run_in_workers(
             planned,

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_sync.benchmark.runs import RunResult, Target, slug
+from lightning_sync.benchmark.runs import REFERENCE, RunResult, Target, slug
 
 __all__ = ["merge", "write_report", "write_summary"]
 
@@ -21,9 +21,11 @@ def write_summary(
     labels: list[str],
     groups: list[tuple[str, str | None]],
     tables: dict[str, list[dict[str, Any]]] | None,
+    group_labels: dict[str, list[str]] | None = None,
 ) -> Path:
     """``out/summary.json``: the command, where it ran, the target, the rows and links; ``tables`` once the report
-    is written (until then ``"complete": false``: the runs so far are in ``runs.csv``)."""
+    is written (until then ``"complete": false``: the runs so far are in ``runs.csv``); ``group_labels``: the rows
+    of the groups whose table has other rows than ``labels`` (``--project-ddp``)."""
     summary: dict[str, Any] = {
         "command": command,
         "where": where,
@@ -31,6 +33,8 @@ def write_summary(
         "labels": labels,
         "groups": [list(g) for g in groups],
     }
+    if group_labels:
+        summary["group_labels"] = group_labels
     if tables is None:
         summary["complete"] = False
     else:
@@ -50,9 +54,13 @@ def write_report(
     target: Target,
     where: str,
     command: str,
+    group_labels: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Tables per link (Markdown, CSV), every run (CSV), plots; printed and written under ``out``."""
+    """Tables per link (Markdown, CSV), every run (CSV), plots; printed and written under ``out``. ``group_labels``:
+    a group's rows where they are not ``labels`` (``--project-ddp``: the projected DDP row, the reference of its
+    table, in place of ``ddp``; the step-timing runs in no table)."""
     from lightning_sync.benchmark import plots, tables
+    from lightning_sync.benchmark.projection import PROJECTED, projection_legend
     from lightning_sync.comm.link import LinkModel
 
     out.mkdir(parents=True, exist_ok=True)
@@ -61,14 +69,22 @@ def write_report(
     by_bandwidth: dict[float, dict[str, Any]] = {}
     written: list[Path] = []
     for group, link in groups:
-        runs = [r for r in results if r.link == group]
+        glabels = (group_labels or {}).get(group, labels)
+        runs = [r for r in results if r.link == group and (group_labels is None or r.label in glabels)]
         seeds = len({r.seed for r in runs})
-        rows = tables.table_rows(labels, runs)
+        reference = PROJECTED if PROJECTED in glabels else REFERENCE
+        rows = tables.table_rows(glabels, runs, reference=reference)
+        if reference != REFERENCE:  # the speedups are against a projection: marked so in summary.json too
+            for row in rows:
+                row["speedup_vs"] = reference
+                row["projected"] = row["method"] == reference
         per_link[group] = rows
         folder = out / slug(group)
         folder.mkdir(parents=True, exist_ok=True)
-        text = tables.markdown(rows, target)
-        (folder / "table.md").write_text(text + "\n\n" + tables.legend(target, seeds, rows) + "\n")
+        text = tables.markdown(rows, target, reference=reference)
+        note = projection_legend(runs)
+        legend = tables.legend(target, seeds, rows) + ("" if note is None else "\n\n" + note)
+        (folder / "table.md").write_text(text + "\n\n" + legend + "\n")
         tables.write_csv(rows, folder / "table.csv")
         written += [folder / "table.md", folder / "table.csv"]
         title = f"{where}, link {group}"
@@ -81,12 +97,12 @@ def write_report(
             }
         print(f"\n## lightning-sync compare: {where}, emulated link {group}\n")
         print(text)
-        print("\n" + tables.legend(target, seeds, rows))
+        print("\n" + legend)
     written.append(out / "runs.csv")
     if by_bandwidth:
         path = out / "time_to_target_vs_bandwidth.png"
         written.append(plots.plot_bandwidth(by_bandwidth, target, path, labels=labels))
-    written.append(write_summary(out, command, where, target, labels, groups, per_link))
+    written.append(write_summary(out, command, where, target, labels, groups, per_link, group_labels))
     print("\nwritten: " + ", ".join(str(p) for p in written))
     return {"tables": per_link, "runs": results, "target": target}
 
@@ -103,6 +119,7 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
 
     groups: list[tuple[str, str | None]] = []
     labels: list[str] = []
+    group_labels: dict[str, list[str]] = {}
     results: list[RunResult] = []
     targets = set()
     wheres = set()
@@ -113,6 +130,9 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
         wheres.add(summary.get("where", ""))
         groups += [(g, link) for g, link in summary["groups"] if (g, link) not in groups]
         labels += [label for label in summary["labels"] if label not in labels]
+        for group, rows in summary.get("group_labels", {}).items():  # a --project-ddp report's groups
+            group_labels.setdefault(group, [])
+            group_labels[group] += [label for label in rows if label not in group_labels[group]]
         # a committed report's runs: {run folder, relative: packed entry}
         packed = {e["run"]: e for e in read_packed(folder) if "records" in e}
         with (folder / "runs.csv").open() as f:
@@ -142,4 +162,5 @@ def merge(folders: list[str], out: Path, command: str) -> dict[str, Any]:
     if len(targets) != 1:
         raise ValueError(f"--merge: the folders measured different targets {sorted(targets)}; merge one target")
     metric, value, mode = targets.pop()
-    return write_report(out, groups, labels, results, Target(metric, value, mode), " / ".join(sorted(wheres)), command)
+    where = " / ".join(sorted(wheres))
+    return write_report(out, groups, labels, results, Target(metric, value, mode), where, command, group_labels or None)

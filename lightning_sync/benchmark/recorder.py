@@ -55,7 +55,9 @@ class TimeToTarget(Callback):
     * ``{"event": "eval", "epoch", "step", "wall_s", "eval_s", "value", "reached", "metrics", "comm"}`` at the end of
       every evaluation (not the sanity check): ``comm`` is the strategy's ``sync_metrics()`` then (bytes sent,
       blocked seconds, LSSR, ... — every strategy of the pack and ``CountedDDPStrategy`` have it);
-    * ``{"event": "end", "wall_s", "step", "reached", "comm"}`` when training ends.
+    * ``{"event": "end", "wall_s", "step", "reached", "comm"}`` when training ends; with ``record_steps`` also
+      ``"step_wall_s"``: the wall time at the end of every optimizer step (entry ``i``: step ``i + 1``), what
+      ``compare --project-ddp`` times DDP's steps at a slow link by (:mod:`~lightning_sync.benchmark.projection`).
 
     With ``stop=True`` the Trainer stops after the evaluation that met the target. The decision is taken together
     (``strategy.reduce_boolean_decision``, as ``EarlyStopping`` does), so ranks stop at the same point.
@@ -67,10 +69,17 @@ class TimeToTarget(Callback):
             or error, else ``"max"``.
         stop: stop the run at the evaluation that reached the target.
         path: the JSON-lines file (``None``: ``<trainer.log_dir or default_root_dir>/time_to_target.jsonl``).
+        record_steps: also record the wall time at the end of every optimizer step (in the ``end`` record).
     """
 
     def __init__(
-        self, metric: str, target: float, mode: str = "auto", stop: bool = True, path: str | None = None
+        self,
+        metric: str,
+        target: float,
+        mode: str = "auto",
+        stop: bool = True,
+        path: str | None = None,
+        record_steps: bool = False,
     ) -> None:
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"metric must be the non-empty name of a logged metric, e.g. 'val/acc'; got {metric!r}")
@@ -82,6 +91,9 @@ class TimeToTarget(Callback):
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ValueError(f"path must be a file path (a non-empty string) or None, got {path!r}")
         self.path = None if path is None else str(path)
+        self.record_steps = check_bool("record_steps", record_steps)
+        self._step_walls: list[float] = []
+        self._last_step = 0
         self._t0 = time.perf_counter()
         self._eval_started: float | None = None
         self._reached_at: float | None = None
@@ -113,6 +125,8 @@ class TimeToTarget(Callback):
         self._t0 = time.perf_counter()
         self._reached_at = None
         self._saw_batch = False
+        self._step_walls = []
+        self._last_step = trainer.global_step
         if trainer.global_rank == 0:
             path = self.path or os.path.join(trainer.log_dir or trainer.default_root_dir, "time_to_target.jsonl")
             self._file = Path(path)
@@ -138,6 +152,13 @@ class TimeToTarget(Callback):
             self._saw_batch = True
             if trainer.global_rank == 0:
                 self._write(trainer, {"event": "data", "first_batch": _digest(batch)})
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.record_steps and trainer.global_step != self._last_step:  # an optimizer step ended
+            self._last_step = trainer.global_step
+            self._step_walls.append(time.perf_counter() - self._t0)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_started = time.perf_counter()
@@ -176,14 +197,14 @@ class TimeToTarget(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._write(
-            trainer,
-            {
-                "event": "end",
-                "wall_s": time.perf_counter() - self._t0,
-                "step": trainer.global_step,
-                "epoch": trainer.current_epoch,
-                "reached": self._reached_at is not None,
-                "comm": self._comm(trainer),
-            },
-        )
+        record: dict[str, Any] = {
+            "event": "end",
+            "wall_s": time.perf_counter() - self._t0,
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "reached": self._reached_at is not None,
+            "comm": self._comm(trainer),
+        }
+        if self.record_steps:
+            record["step_wall_s"] = list(self._step_walls)
+        self._write(trainer, record)

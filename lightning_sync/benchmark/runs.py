@@ -98,6 +98,9 @@ class Row:
     extra: list[str] = field(default_factory=list)  #: further ``fit`` arguments (a recipe's, its learning rate)
     tuned: bool = False
     error: str = ""  #: why the row cannot run (an unknown strategy): reported in the table
+    #: further ``TimeToTarget`` arguments for this row's runs (``compare --project-ddp``'s step-timing runs:
+    #: ``stop=False``, ``record_steps=True``)
+    ttt_args: dict[str, Any] = field(default_factory=dict)
 
 
 def make_row(
@@ -257,6 +260,7 @@ def overlay(
                 "mode": target.mode,
                 "stop": stop,
                 "path": str(run_dir / "time_to_target.jsonl"),
+                **row.ttt_args,
             },
         }
     )

@@ -141,10 +141,12 @@ def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(key, label) for key, label in COLUMNS if key not in _GROUPED or inter]
 
 
-def markdown(rows: list[dict[str, Any]], target: Target) -> str:
-    """The table as Markdown; a failed method's row says why."""
+def markdown(rows: list[dict[str, Any]], target: Target, reference: str = REFERENCE) -> str:
+    """The table as Markdown; a failed method's row says why. ``reference``: the row the speedups are against (its
+    name heads their column: ``speedup vs ddp (projected)`` with ``compare --project-ddp``)."""
     columns = _columns(rows)
     labels = [label if key != "best" else f"best {target.metric}" for key, label in columns]
+    labels = [f"speedup vs {reference}" if key == "speedup" else label for (key, _), label in zip(columns, labels)]
     lines = ["| " + " | ".join(labels) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "reached" not in row:

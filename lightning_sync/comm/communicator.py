@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats, LevelStats
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
-from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, compressed_allreduce_bytes
+from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
 from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
 from lightning_sync.comm.forksafe import GATE, start_thread
 from lightning_sync.comm.link import LinkClock, LinkModel
@@ -308,9 +308,9 @@ class Communicator:
         (:mod:`lightning_sync.comm.compression`). The result is identical on every rank.
 
         ``op="avg"`` divides the sum by the world size, ``"sum"`` does not; ``divisor`` divides by that instead (in
-        the accumulation dtype, before the second encoding). ``feedback`` (int8) is the stream's error-feedback
-        state; ``contribute=False`` sends zeros (``tensor``'s values are ignored) and leaves the worker residual.
-        Bytes recorded, per collective: :func:`~lightning_sync.comm.cost.compressed_allreduce_bytes`.
+        the accumulation dtype, before the second encoding). ``feedback`` (the integer formats) is the stream's
+        error-feedback state; ``contribute=False`` sends zeros (``tensor``'s values are ignored) and leaves the worker
+        residual. Bytes recorded, per collective: :func:`~lightning_sync.comm.cost.compressed_allreduce_bytes`.
 
         ``async_op=True`` returns a handle at once: the operation runs on this communicator's driver thread, on a
         process group of its own created at the first asynchronous call (every rank must make that call at the
@@ -322,9 +322,7 @@ class Communicator:
             raise ValueError("all_reduce_compressed needs a flat (1-D) contiguous tensor (a flat buffer or a slice)")
         div = divisor if divisor is not None else (float(self.world_size) if op == "avg" else None)
         fmt = compressor.fmt
-        a2a, ag = compressed_allreduce_bytes(
-            tensor.numel(), fmt.element_size, self.world_size, fmt.block, fmt.scale_bytes
-        )
+        a2a, ag = fmt.allreduce_bytes(tensor.numel(), self.world_size)
         self.stats.record_launch(tag, a2a, blocking=not async_op)
         self.stats.record_launch(tag, ag, blocking=not async_op)
         what = f"compressed all_reduce ({tag})"

@@ -1,10 +1,13 @@
 """Compressed synchronization: what goes on the wire, and the per-rank math of a compressed all-reduce.
 
-``compression=None | "bf16" | "fp16" | "int8"`` (an argument of every strategy) sends floating-point data in a
-narrower wire format. This module holds the formats, the quantisation kernels, the persistent buffers and the
-error-feedback state; :meth:`~lightning_sync.comm.Communicator.all_reduce_compressed` moves the bytes (it is the
-only code that calls ``torch.distributed``) and the parameter server (:mod:`lightning_sync.comm.ps`) uses
-:func:`encode` / :func:`decode` for its messages. Nothing here imports ``torch.distributed``.
+``compression=None | "bf16" | "fp16" | "int8" | "int4" | "int2" | "topk:<fraction>" | "topk:<fraction>+int2"``
+(``+int8``, ``+int4`` alike; an argument of every strategy) sends floating-point data in a narrower wire format.
+This module holds the formats, the records, the persistent buffers and the error-feedback state (the kernels:
+:mod:`lightning_sync.comm.quantize`'s for the integer formats, :mod:`lightning_sync.comm.sparse`'s for the sparse
+ones);
+:meth:`~lightning_sync.comm.Communicator.all_reduce_compressed` moves the bytes (it is the only code that calls
+``torch.distributed``) and the parameter server (:mod:`lightning_sync.comm.ps`) uses :func:`encode` /
+:func:`decode` for its messages. Nothing here imports ``torch.distributed``.
 
 **Wire formats.**
 
@@ -17,6 +20,34 @@ only code that calls ``torch.distributed``) and the parameter server (:mod:`ligh
   sends the residual the quantisation dropped from its previous value, ``v = x + r``, ``r ← v − Q(v)``, so nothing
   is lost for good: summed over steps, what was sent differs from what should have been by the last residual only
   (at most half a quantisation step per element).
+* ``"int4"``, ``"int2"``: the same with fewer levels — codes in [-7, 7] (``s = max|x| / 7``) and in [-1, 1]
+  (ternary, ``s = max|x|``: "2-bit with a scale" as Streaming DiLoCo, MuLoCo and SparseLoCo send it), packed two and
+  four to a byte (:mod:`lightning_sync.comm.quantize`), the same 256-element blocks and error feedback on both
+  stages: 0.5 + 4/256 = 0.515625 and 0.25 + 4/256 = 0.265625 bytes per element. The codes are symmetric, as int8's,
+  so zero is exact and the error is at most half a step either way; the unused most negative code (-8, -2) would buy
+  a level on one side only. The block stays int8's 256: the scales then cost 3 % (int4) and 6 % (int2) on top of the
+  codes, a block of 64 would cost 12 % and 25 % for a finer scale; and every chunk is a whole number of blocks,
+  which packs whole.
+* ``"topk:<fraction>"`` (e.g. ``"topk:0.01"``, ``0 < fraction < 1``): sparse records. Of each chunk of ``c``
+  elements a rank sends its ``k = ⌈fraction · c⌉`` entries of largest magnitude, as ``k`` fp32 values and ``k``
+  int32 indices in the chunk (8 bytes an entry: ``8 · fraction`` bytes per element, 1/16 of bf16's at 1 %), with
+  error feedback on both stages as the integer formats: what a record leaves out stays in the rank's residual and
+  is sent when it has grown among the largest (Stich et al., "Sparsified SGD with memory", 2018; the top-k of
+  SparseLoCo's pseudo-gradients, arXiv 2508.15706, without its 2-bit values). The owner of a chunk sums the ``N``
+  sparse records densely in fp32 and sends the top ``k`` of the sum (sparse sums do not reduce in a ring: the
+  all-to-all and all-gather below carry them unchanged). It applies to *changes* (the parameter averages'
+  pseudo-gradients), never to values that replace state: a sparse gradient average departs from DDP's, and a
+  sparse pull of the parameter server's parameters would zero the rest of them — those refuse it
+  (:class:`~lightning_sync.strategies.codec.CompressedCodec`, the parameter-server strategies).
+* ``"topk:<fraction>+int8"``, ``"+int4"``, ``"+int2"`` (e.g. ``"topk:0.01+int2"``): the same selection with narrow
+  values — the ``k`` chosen values, in index order, quantised with the integer formats' kernels (one fp32 scale per
+  256 consecutive entries, symmetric codes packed 1, 2 or 4 to a byte; int2's scale the entries' mean ``|v|``, not
+  their maximum: :mod:`lightning_sync.comm.sparse` says why) beside the ``k`` int32 indices:
+  ``4 + 1, 0.5 or 0.25 + 4/256`` bytes an entry instead of 8 (int2: 4.265625, 0.0427 bytes per element at 1 %,
+  1/47 of bf16's). The residual keeps what neither the selection nor the quantisation sent (residual = input −
+  decoded: the entries left out whole, the chosen ones' quantisation error), on both stages; it applies where
+  ``topk`` applies and is refused where it is. The indices stay int32 (4 of the 4.27 bytes an entry): a narrower
+  index (delta or per-block offsets) would be data-dependent in size or change the selection; not done here.
 
 **The all-reduce** (every backend, every format): a low-precision SUM is never requested from the backend, because
 gloo (torch 2.14: ``bf16`` and ``fp16`` all-reduce are supported) adds in the wire type at every ring step — with 4
@@ -24,17 +55,19 @@ ranks its mean error was 1.64x that of the exact sum rounded once (``python benc
 — and NCCL's ring also reduces in the buffer's type at each hop (its design; not measured here, no GPU); int8 cannot
 be summed on the wire at all. Instead, as torchft's quantized all-reduce does:
 
-1. each rank encodes its tensor (plus its residual, int8) as ``N`` equal chunks and an **all-to-all** sends chunk
-   ``j`` to rank ``j`` (a reduce-scatter in the wire format);
+1. each rank encodes its tensor (plus its residual, the integer formats) as ``N`` equal chunks and an
+   **all-to-all** sends chunk ``j`` to rank ``j`` (a reduce-scatter in the wire format);
 2. rank ``j`` decodes the ``N`` copies of its chunk and sums them in fp32 (fp64 for float64 tensors) in rank
-   order, divides (the average), adds its own second-stage residual (int8: the "server error" of 1-bit Adam, the
+   order, divides (the average), adds its own second-stage residual (integer formats: the "server error" of 1-bit
+   Adam, the
    part of its reduced chunk that its last encoding dropped) and encodes the result;
 3. an **all-gather** of the encoded chunks; every rank decodes all of them — its own included — so the result is
    **bit-identical on every rank**.
 
 Bytes per rank (:func:`~lightning_sync.comm.cost.compressed_allreduce_bytes`): ``2 (N − 1)`` chunk records of
-``c`` elements in the wire size (+ the int8 scales), ``c = ⌈numel / N⌉`` (int8: rounded up to a multiple of 256),
-padding included because it is sent. On one rank nothing is sent and nothing is compressed.
+``c`` elements in the wire size (+ the scales of the integer formats), ``c = ⌈numel / N⌉`` (integer formats:
+rounded up to a multiple of 256, so a chunk packs whole), padding included because it is sent. On one rank nothing
+is sent and nothing is compressed.
 
 **Persistent buffers.** A :class:`Compressor` keeps one workspace per (size, dtype, device, world size) — the
 send and receive records, the fp32 accumulator and scratch of one chunk — allocated at first use and reused by every
@@ -54,37 +87,72 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sync.comm.cost import compressed_chunk_numel, compressed_record_bytes
+from lightning_sync.comm.cost import (
+    allgather_bytes,
+    alltoall_bytes,
+    compressed_allreduce_bytes,
+    compressed_chunk_numel,
+    compressed_record_bytes,
+    sparse_record_bytes,
+)
+from lightning_sync.comm.quantize import dequantize, pack, packed_bytes, quantize, unpack
+from lightning_sync.comm.sparse import ValueCode, decode_sparse, encode_sparse
 
-#: the accepted values of ``compression`` besides ``None``
-COMPRESSIONS = ("bf16", "fp16", "int8")
-#: int8: elements that share one scale
+#: the accepted values of ``compression`` besides ``None`` and the sparse ``"topk:<fraction>"``
+COMPRESSIONS = ("bf16", "fp16", "int8", "int4", "int2")
+#: the prefix of the sparse formats, ``"topk:<fraction>"`` with ``0 < fraction < 1``
+TOPK = "topk:"
+#: the integer formats: elements that share one scale (int8, int4 and int2 alike)
 INT8_BLOCK = 256
-#: int8: bytes of one scale (float32)
+#: the integer formats: bytes of one scale (float32)
 SCALE_BYTES = 4
 #: the largest int8 code (symmetric: -127..127, so 0 is exact and the range is symmetric)
 INT8_MAX = 127
+#: the largest int4 code (-7..7) and int2 code (-1..1, ternary)
+INT4_MAX, INT2_MAX = 7, 1
 #: largest finite float16
 FP16_MAX = 65504.0
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+#: the narrow value formats a sparse format may take, ``"topk:<fraction>+<values>"``
+SPARSE_VALUES = ("int8", "int4", "int2")
+
+
 def check_compression(value: Any) -> str | None:
-    """``None`` or one of :data:`COMPRESSIONS` (exactly, case-sensitive)."""
+    """``None``, one of :data:`COMPRESSIONS` (exactly, case-sensitive), or ``"topk:<fraction>"`` with
+    ``0 < fraction < 1``, optionally with narrow values ``"+int8"``, ``"+int4"`` or ``"+int2"`` (returned with the
+    fraction written as Python writes the float, e.g. ``"topk:0.01"``, ``"topk:0.01+int2"``)."""
     if value is None or (isinstance(value, str) and value in COMPRESSIONS):
         return value
-    raise ValueError(f"compression must be None, 'bf16', 'fp16' or 'int8', got {value!r}")
+    if isinstance(value, str) and value.startswith(TOPK):
+        text, plus, values = value[len(TOPK) :].partition("+")
+        try:
+            fraction = float(text)
+        except ValueError:
+            fraction = math.nan
+        if 0.0 < fraction < 1.0 and (not plus or values in SPARSE_VALUES):
+            return f"{TOPK}{fraction!r}" + (f"+{values}" if plus else "")
+    raise ValueError(
+        "compression must be None, 'bf16', 'fp16', 'int8', 'int4' or 'int2', or 'topk:<fraction>' with "
+        "0 < fraction < 1 (e.g. 'topk:0.01'), optionally with narrow values '+int8', '+int4' or '+int2' (e.g. "
+        f"'topk:0.01+int2'), got {value!r}"
+    )
 
 
 @dataclass(frozen=True)
 class WireFormat:
-    """How one element travels: ``dtype`` on the wire, and for int8 one fp32 scale per ``block`` elements."""
+    """How one element travels: ``dtype`` on the wire, and for the integer formats one fp32 scale per ``block``
+    elements, codes in [-``qmax``, ``qmax``], ``per_byte`` of them packed in one byte (int4: 2, int2: 4)."""
 
     name: str
     dtype: torch.dtype
     block: int  #: elements per scale (1 and no scales for the casts)
     scale_bytes: int
+    qmax: int = 0  #: the largest code (the integer formats)
+    per_byte: int = 1  #: codes packed in one wire element
+    fraction: float = 0.0  #: the sparse formats: the fraction of each chunk's elements sent (0: dense)
 
     @property
     def element_size(self) -> int:
@@ -95,17 +163,61 @@ class WireFormat:
         return self.scale_bytes > 0
 
     @property
+    def sparse(self) -> bool:
+        """A ``topk:<fraction>`` format: records of the largest entries with their indices."""
+        return self.fraction > 0.0
+
+    @property
+    def feedback(self) -> bool:
+        """Whether the format drops part of what it encodes for a residual to keep (the integer and sparse
+        formats: error feedback); the casts round and keep nothing."""
+        return self.quantized or self.sparse
+
+    @property
+    def bits(self) -> int:
+        """Bits of one element's code on the wire (16, 8, 4 or 2; a sparse format: of one value, 32 for fp32)."""
+        return 8 * self.element_size // self.per_byte
+
+    @property
+    def value_code(self) -> ValueCode | None:
+        """A sparse format with narrow values (``topk:<fraction>+int2``): how its values are quantised; else
+        ``None``."""
+        return ValueCode(self.qmax, self.bits, self.block) if self.sparse and self.quantized else None
+
+    @property
     def bytes_per_element(self) -> float:
-        """Average wire bytes per element, scales included (2.0 for the casts, 1 + 4/256 for int8)."""
-        return self.element_size + (self.scale_bytes / self.block if self.quantized else 0.0)
+        """Average wire bytes per element, scales included (2.0 for the casts, 1 + 4/256 for int8, 0.5 + 4/256 for
+        int4, 0.25 + 4/256 for int2; for the sparse formats the fraction x the bytes of an entry, before rounding k
+        up: 8 with fp32 values, 4 + the code's bytes + 4/256 with narrow ones)."""
+        if self.sparse:
+            entry = (4.0 + self.bits / 8 + self.scale_bytes / self.block) if self.quantized else 8.0
+            return entry * self.fraction
+        return self.element_size / self.per_byte + (self.scale_bytes / self.block if self.quantized else 0.0)
 
     def chunk_numel(self, numel: int, world_size: int) -> int:
-        """Elements of one rank's chunk in the all-reduce (padded; see :func:`~lightning_sync.comm.cost`)."""
-        return compressed_chunk_numel(numel, world_size, self.block)
+        """Elements of one rank's chunk in the all-reduce (padded; see :func:`~lightning_sync.comm.cost`; a sparse
+        format's chunk is not rounded to a block: its blocks are of entries)."""
+        return compressed_chunk_numel(numel, world_size, 1 if self.sparse else self.block)
 
     def record_bytes(self, numel: int) -> int:
-        """Bytes of ``numel`` elements encoded: data plus scales (one per started block)."""
-        return compressed_record_bytes(numel, self.element_size, self.block, self.scale_bytes)
+        """Bytes of ``numel`` elements encoded: data (packed: a last partial byte whole) plus scales (one per
+        started block); a sparse record: its entries (:func:`~lightning_sync.comm.cost.sparse_record_bytes`)."""
+        if self.sparse:
+            if self.quantized:
+                return sparse_record_bytes(numel, self.fraction, self.bits, self.block, self.scale_bytes)
+            return sparse_record_bytes(numel, self.fraction)
+        return compressed_record_bytes(numel, self.element_size, self.block, self.scale_bytes, self.per_byte)
+
+    def allreduce_bytes(self, numel: int, world_size: int) -> tuple[int, int]:
+        """Bytes a rank sends in a compressed all-reduce of ``numel`` elements, ``(all-to-all, all-gather)``."""
+        if self.sparse:
+            if world_size <= 1 or numel <= 0:
+                return 0, 0
+            record = self.record_bytes(self.chunk_numel(numel, world_size))
+            return alltoall_bytes(record, world_size), allgather_bytes(record, world_size)
+        return compressed_allreduce_bytes(
+            numel, self.element_size, world_size, self.block, self.scale_bytes, self.per_byte
+        )
 
     def scales(self, numel: int) -> int:
         return math.ceil(numel / self.block) if self.quantized else 0
@@ -114,12 +226,24 @@ class WireFormat:
 FORMATS = {
     "bf16": WireFormat("bf16", torch.bfloat16, 1, 0),
     "fp16": WireFormat("fp16", torch.float16, 1, 0),
-    "int8": WireFormat("int8", torch.int8, INT8_BLOCK, SCALE_BYTES),
+    "int8": WireFormat("int8", torch.int8, INT8_BLOCK, SCALE_BYTES, INT8_MAX),
+    "int4": WireFormat("int4", torch.uint8, INT8_BLOCK, SCALE_BYTES, INT4_MAX, per_byte=2),
+    "int2": WireFormat("int2", torch.uint8, INT8_BLOCK, SCALE_BYTES, INT2_MAX, per_byte=4),
 }
 
 
 def wire_format(compression: str) -> WireFormat:
-    return FORMATS[check_compression(compression) or ""]
+    """The format of a checked ``compression`` (:func:`check_compression`)."""
+    name = check_compression(compression) or ""
+    if name.startswith(TOPK):
+        text, _, values = name[len(TOPK) :].partition("+")
+        if values:  # narrow values: the integer format's codes, scales and packing, applied to the chosen entries
+            base = FORMATS[values]
+            return WireFormat(
+                name, base.dtype, base.block, base.scale_bytes, base.qmax, base.per_byte, fraction=float(text)
+            )
+        return WireFormat(name, torch.float32, 1, 0, fraction=float(text))
+    return FORMATS[name]
 
 
 def check_compressible(compression: str, dtype: torch.dtype, what: str) -> None:
@@ -131,10 +255,10 @@ def check_compressible(compression: str, dtype: torch.dtype, what: str) -> None:
             f"compression={compression!r} needs floating-point tensors (float16, bfloat16, float32, float64); {what} "
             f"has dtype {dtype}. Use compression=None for this model."
         )
-    if not fmt.quantized and torch.empty((), dtype=dtype).element_size() <= fmt.element_size:
+    if not fmt.feedback and torch.empty((), dtype=dtype).element_size() <= fmt.element_size:
         raise ValueError(
             f"compression={compression!r} does not shrink {what} of dtype {dtype}: the wire format is as wide as the "
-            "data. Use compression='int8' (1 byte per element) or None."
+            "data. Use compression='int8' (1 byte per element), 'int4' or 'int2' (1/2 or 1/4 byte) or None."
         )
 
 
@@ -143,58 +267,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# ------------------------------------------------------------------------------------------------ kernels
-def _split(numel: int, block: int) -> tuple[int, int]:
-    """``numel`` as full blocks and a tail: (elements in full blocks, tail elements)."""
-    full = numel // block * block
-    return full, numel - full
-
-
-def _per_block(values: Tensor, scales: Tensor, block: int) -> list[tuple[Tensor, Tensor]]:
-    """``values`` as a (blocks, block) view and its tail (one partial block), each with its scales column."""
-    full, tail = _split(values.numel(), block)
-    parts = []
-    if full:
-        parts.append((values[:full].view(-1, block), scales[: full // block].view(-1, 1)))
-    if tail:
-        parts.append((values[full:].view(1, -1), scales[full // block : full // block + 1].view(1, 1)))
-    return parts
-
-
-def quantize_int8(values: Tensor, q: Tensor, scales: Tensor, scratch: Tensor, feedback: bool = False) -> None:
-    """Encode ``values`` as int8 codes ``q`` with one fp32 scale per :data:`INT8_BLOCK` elements, working in
-    ``scratch`` (a float tensor of at least ``values``' size, clobbered). With ``feedback``, ``values`` is replaced
-    by what the encoding dropped, ``values − decode(q)`` (its error-feedback residual); otherwise it is not touched.
-
-    ``s = max|x| / 127`` per block (a block of zeros gets the smallest normal float as scale and codes 0), codes
-    ``round(x / s)``; ``|x / s| <= 127 (1 + 2^-24) < 127.5``, so the codes are in [-127, 127] without a clamp."""
-    n = values.numel()
-    work = scratch[:n]
-    torch.abs(values, out=work)
-    full, tail = _split(n, INT8_BLOCK)
-    if full:  # the block maxima, reduced over the transposed view (several times faster than along rows on CPU)
-        scales[: full // INT8_BLOCK].copy_(work[:full].view(-1, INT8_BLOCK).t().amax(dim=0))
-    if tail:
-        scales[full // INT8_BLOCK].copy_(work[full:].amax())
-    scales[: math.ceil(n / INT8_BLOCK)].div_(INT8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    for (v, sc), (w, _) in zip(_per_block(values, scales, INT8_BLOCK), _per_block(work, scales, INT8_BLOCK)):
-        torch.div(v, sc, out=w)
-    work.round_()
-    q.copy_(work)
-    if feedback:
-        for (v, sc), (w, _) in zip(_per_block(values, scales, INT8_BLOCK), _per_block(work, scales, INT8_BLOCK)):
-            v.addcmul_(w, sc, value=-1.0)
-
-
-def dequantize_int8(q: Tensor, scales: Tensor, out: Tensor, accumulate: bool = False) -> None:
-    """``out = q · s`` per block (``accumulate``: ``out += q · s``), in ``out``'s dtype, no temporary."""
-    for (codes, sc), (target, _) in zip(_per_block(q, scales, INT8_BLOCK), _per_block(out, scales, INT8_BLOCK)):
-        if accumulate:
-            target.addcmul_(codes, sc)
-        else:
-            target.copy_(codes).mul_(sc)
-
-
+# ------------------------------------------------------------------------------------------------ records
 def _check_fp16_range(src: Tensor, what: str) -> None:
     if not src.numel():
         return
@@ -208,13 +281,14 @@ def _check_fp16_range(src: Tensor, what: str) -> None:
 
 
 def _views(fmt: WireFormat, record: Tensor, numel: int) -> tuple[Tensor, Tensor | None]:
-    """A byte record's (data, scales) views for ``numel`` elements: ``[scales (fp32) | data]`` for int8 (scales
-    first, so they are 4-byte aligned in any record that starts aligned), ``[data]`` for the casts."""
+    """A byte record's (data, scales) views for ``numel`` elements: ``[scales (fp32) | data]`` for the integer
+    formats (scales first, so they are 4-byte aligned in any record that starts aligned; data: int8 codes, or
+    ``uint8`` bytes of packed codes), ``[data]`` for the casts."""
     if not fmt.quantized:
         return record[: numel * fmt.element_size].view(fmt.dtype), None
     ns = fmt.scales(numel)
     scales = record[: ns * fmt.scale_bytes].view(torch.float32)
-    data = record[ns * fmt.scale_bytes : ns * fmt.scale_bytes + numel].view(torch.int8)
+    data = record[ns * fmt.scale_bytes : ns * fmt.scale_bytes + packed_bytes(numel, fmt.bits)].view(fmt.dtype)
     return data, scales
 
 
@@ -231,11 +305,18 @@ def encode(
     elements (default ``src``'s size; more when the record is padded — the padding must be zeros already, as in a
     freshly zeroed buffer whose layout never changes).
 
-    int8 works in ``scratch`` (a float tensor at least ``src``'s size, clobbered; allocated when not given), and
-    with ``residual`` (``src``'s size) adds the residual before encoding and replaces it by what this encoding
-    dropped (error feedback)."""
+    The integer formats work in ``scratch`` (a float tensor at least ``src``'s size, clobbered; allocated when not
+    given), and with ``residual`` (``src``'s size) add the residual before encoding and replace it by what this
+    encoding dropped (error feedback). A packed format writes the whole last byte (zero codes past ``src``).
+
+    A sparse format writes all of its entries, those past ``src``'s size as (index 0, value 0)."""
+    if fmt.sparse:
+        encode_sparse(
+            fmt.fraction, src, record, residual, scratch, src.numel() if numel is None else numel, fmt.value_code
+        )
+        return
     data, scales = _views(fmt, record, src.numel() if numel is None else numel)
-    data = data[: src.numel()]
+    data = data[: packed_bytes(src.numel(), fmt.bits)] if fmt.quantized else data[: src.numel()]
     if scales is None:
         if fmt.dtype == torch.float16:
             _check_fp16_range(src, what)
@@ -244,31 +325,52 @@ def encode(
     work = scratch if scratch is not None else torch.empty_like(src)
     if residual is not None:
         residual.add_(src)  # the compensated value v = x + r, encoded in place of x; then r = v - decode
-        quantize_int8(residual, data, scales, work, feedback=True)
+        codes = quantize(residual, scales, work, fmt.qmax, fmt.block, feedback=True)
     else:
-        quantize_int8(src, data, scales, work)
+        codes = quantize(src, scales, work, fmt.qmax, fmt.block)
+    if fmt.per_byte == 1:
+        data.copy_(codes)
+    else:
+        pack(codes, data, fmt.bits)
 
 
-def decode(fmt: WireFormat, record: Tensor, out: Tensor, accumulate: bool = False, numel: int | None = None) -> None:
+def decode(
+    fmt: WireFormat,
+    record: Tensor,
+    out: Tensor,
+    accumulate: bool = False,
+    numel: int | None = None,
+    scratch: Tensor | None = None,
+) -> None:
     """Decode the byte tensor ``record`` — an encoding of ``numel`` elements (default ``out``'s size) — into
-    ``out``, its first ``out.numel()`` elements (``accumulate``: add them to ``out``)."""
-    data, scales = _views(fmt, record, out.numel() if numel is None else numel)
-    data = data[: out.numel()]
+    ``out``, its first ``out.numel()`` elements (``accumulate``: add them to ``out``). A packed format unpacks its
+    codes into ``out`` itself, or with ``accumulate`` into ``scratch`` (a tensor of ``out``'s dtype and at least its
+    size, clobbered; allocated when not given)."""
+    n = out.numel()
+    if fmt.sparse:
+        decode_sparse(fmt.fraction, record, out, accumulate, n if numel is None else numel, fmt.value_code)
+        return
+    data, scales = _views(fmt, record, n if numel is None else numel)
     if scales is None:
         if accumulate:
-            out.add_(data)
+            out.add_(data[:n])
         else:
-            out.copy_(data)
+            out.copy_(data[:n])
         return
-    dequantize_int8(data, scales[: fmt.scales(out.numel())], out, accumulate)
+    if fmt.per_byte == 1:
+        codes = data[:n]
+    else:
+        codes = out if not accumulate else (scratch[:n] if scratch is not None else torch.empty_like(out))
+        unpack(data[: packed_bytes(n, fmt.bits)], codes, fmt.bits)
+    dequantize(codes, scales[: fmt.scales(n)], out, fmt.block, accumulate)
 
 
 # ------------------------------------------------------------------------------------------------ state
 class ErrorFeedback:
-    """One rank's int8 residuals for one stream of all-reduces (e.g. the gradient buffer): ``worker`` (what its
-    encoding of its own tensor dropped, the tensor's size) and ``server`` (what its encoding of its reduced chunk
-    dropped, the chunk's size). Both are per rank and go into the checkpoint. The server residual belongs to a
-    chunk layout (world size, rank); a different layout (a subgroup) starts from zero."""
+    """One rank's residuals (the integer formats) for one stream of all-reduces (e.g. the gradient buffer):
+    ``worker`` (what its encoding of its own tensor dropped, the tensor's size) and ``server`` (what its encoding of
+    its reduced chunk dropped, the chunk's size). Both are per rank and go into the checkpoint. The server residual
+    belongs to a chunk layout (world size, rank); a different layout (a subgroup) starts from zero."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.worker = torch.zeros(numel, dtype=dtype, device=device)
@@ -328,7 +430,7 @@ class Workspace:
     send: Tensor  #: uint8, N records: the all-to-all's input (padding stays zero: the layout never changes)
     recv: Tensor  #: uint8, N records: the all-to-all's output, then the all-gather's output
     acc: Tensor  #: accumulation dtype, chunk: this rank's reduced chunk (and the encoding's scratch before)
-    tmp: Tensor  #: accumulation dtype, chunk: scratch of the reduced chunk's encoding (int8)
+    tmp: Tensor  #: accumulation dtype, chunk: scratch of the reduced chunk's encoding (and of packed codes' decoding)
     mine: Tensor  #: uint8, one record: this rank's encoded reduced chunk (the all-gather's input)
     busy: bool = False
 
@@ -338,7 +440,8 @@ class Compressor:
 
     One per strategy (its communicators share it); thread-safe for the asynchronous all-reduces that a
     communicator's driver thread runs. ``feedback(key, ...)`` returns the :class:`ErrorFeedback` of a stream of
-    all-reduces (int8 only; ``None`` for the casts), created at first use or restored from :meth:`load_state_dict`.
+    all-reduces (the integer formats; ``None`` for the casts), created at first use or restored from
+    :meth:`load_state_dict`.
     """
 
     #: shapes whose idle workspaces are kept (least recently used ones are dropped beyond it)
@@ -347,8 +450,8 @@ class Compressor:
     def __init__(self, compression: str) -> None:
         self.name = check_compression(compression)
         if self.name is None:
-            raise ValueError("Compressor needs a compression: 'bf16', 'fp16' or 'int8'")
-        self.fmt = FORMATS[self.name]
+            raise ValueError(f"Compressor needs a compression: one of {', '.join(map(repr, COMPRESSIONS))}")
+        self.fmt = wire_format(self.name)
         self._lock = threading.Lock()
         self._pool: dict[tuple[int, torch.dtype, torch.device, int], list[Workspace]] = {}
         self._feedback: dict[str, ErrorFeedback] = {}
@@ -386,7 +489,7 @@ class Compressor:
             send=torch.zeros(world_size * record, dtype=torch.uint8, device=device),
             recv=torch.zeros(world_size * record, dtype=torch.uint8, device=device),
             acc=torch.zeros(chunk, dtype=acc_dtype, device=device),
-            tmp=torch.zeros(chunk if self.fmt.quantized else 0, dtype=acc_dtype, device=device),
+            tmp=torch.zeros(chunk if self.fmt.feedback else 0, dtype=acc_dtype, device=device),
             mine=torch.zeros(record, dtype=torch.uint8, device=device),
             busy=True,
         )
@@ -414,8 +517,9 @@ class Compressor:
 
     # ------------------------------------------------------------------ error feedback
     def feedback(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> ErrorFeedback | None:
-        """The residuals of stream ``key`` (int8), or ``None`` (the casts keep no state)."""
-        if not self.fmt.quantized:
+        """The residuals of stream ``key`` (the integer and sparse formats), or ``None`` (the casts keep no
+        state)."""
+        if not self.fmt.feedback:
             return None
         with self._lock:
             fb = self._feedback.get(key)
@@ -451,9 +555,9 @@ class Compressor:
     def stage_encode(
         self, ws: Workspace, x: Tensor, feedback: ErrorFeedback | FeedbackView | None, contribute: bool = True
     ) -> None:
-        """Stage 1 (before the all-to-all): ``x`` (+ the worker residual, int8) into ``ws.send``, chunk ``j`` in
-        record ``j``. ``contribute=False`` (a rank that sends zeros, e.g. outside FedAvg's participants) leaves its
-        residual alone."""
+        """Stage 1 (before the all-to-all): ``x`` (+ the worker residual, integer formats) into ``ws.send``, chunk
+        ``j`` in record ``j``. ``contribute=False`` (a rank that sends zeros, e.g. outside FedAvg's participants)
+        leaves its residual alone."""
         n, c, rec = ws.numel, ws.chunk, ws.record
         if not contribute:
             ws.send.zero_()
@@ -478,8 +582,8 @@ class Compressor:
         the accumulation dtype (rank order), divide, add the server residual and encode into ``ws.mine``."""
         rec = ws.record
         acc = ws.acc
-        for k in range(ws.world_size):
-            decode(self.fmt, ws.recv[k * rec : (k + 1) * rec], acc, accumulate=k > 0)
+        for k in range(ws.world_size):  # ws.tmp: scratch of a packed format's codes (free until the encoding)
+            decode(self.fmt, ws.recv[k * rec : (k + 1) * rec], acc, accumulate=k > 0, scratch=ws.tmp)
         if divisor is not None and divisor != 1:
             acc.div_(divisor)
         residual = None if feedback is None else feedback.server_residual(ws.chunk, ws.world_size, rank)

@@ -17,8 +17,13 @@ These are the numbers the accounting records and the link emulation charges for.
   :math:`(N-1)B_{block}` per rank, gloo and NCCL alike.
 * **compressed all-reduce** (:mod:`lightning_sync.comm.compression`): an all-to-all of ``N`` encoded chunks then
   an all-gather of one, so :math:`2(N-1)` records of ``c`` elements per rank, ``c = ⌈numel/N⌉`` rounded up to the
-  int8 block (256) when quantised; a record is ``c`` times the wire element size plus one 4-byte scale per block.
-  Padding is counted: it is sent.
+  block of the scales (256) when quantised; a record is ``c`` times the wire element size — ``c / 2`` bytes for
+  int4 and ``c / 4`` for int2, whose codes are packed two and four to a byte (the block is a multiple of both, so a
+  chunk packs whole) — plus one 4-byte scale per block. Padding is counted: it is sent. A sparse record
+  (``topk:<fraction>``) is ``k = ⌈fraction · c⌉`` entries of a 4-byte index and a 4-byte fp32 value, whatever the
+  values; with narrow values (``topk:<fraction>+int8|int4|int2``) the ``k`` 4-byte indices, one 4-byte scale per
+  256 entries and the ``k`` codes packed (8, 4 or 2 bits each), their bytes rounded up to a multiple of 4 so that
+  every record keeps the next one 4-byte aligned (:func:`sparse_record_bytes`).
 
 Nothing here imports ``torch.distributed``; the functions are pure and tested in-process.
 """
@@ -101,19 +106,50 @@ def compressed_chunk_numel(numel: int, world_size: int, block: int = 1) -> int:
     return _round_up(math.ceil(numel / world_size), block)
 
 
-def compressed_record_bytes(numel: int, element_size: int, block: int = 1, scale_bytes: int = 0) -> int:
-    """Bytes of ``numel`` encoded elements: ``numel`` wire elements plus one scale per started block (when
-    ``scale_bytes``)."""
+def compressed_record_bytes(
+    numel: int, element_size: int, block: int = 1, scale_bytes: int = 0, per_element: int = 1
+) -> int:
+    """Bytes of ``numel`` encoded elements: ``⌈numel / per_element⌉`` wire elements (``per_element`` codes packed
+    in one: 2 for int4, 4 for int2) plus one scale per started block (when ``scale_bytes``)."""
     scales = math.ceil(numel / block) if scale_bytes else 0
-    return numel * element_size + scales * scale_bytes
+    return math.ceil(numel / per_element) * element_size + scales * scale_bytes
 
 
 def compressed_allreduce_bytes(
-    numel: int, element_size: int, world_size: int, block: int = 1, scale_bytes: int = 0
+    numel: int, element_size: int, world_size: int, block: int = 1, scale_bytes: int = 0, per_element: int = 1
 ) -> tuple[int, int]:
     """Bytes a rank sends in a compressed all-reduce, as ``(all-to-all, all-gather)``: each is
     :math:`(N-1)` records of one chunk (:func:`compressed_chunk_numel`, :func:`compressed_record_bytes`)."""
     if world_size <= 1 or numel <= 0:
         return 0, 0
-    record = compressed_record_bytes(compressed_chunk_numel(numel, world_size, block), element_size, block, scale_bytes)
+    chunk = compressed_chunk_numel(numel, world_size, block)
+    record = compressed_record_bytes(chunk, element_size, block, scale_bytes, per_element)
     return alltoall_bytes(record, world_size), allgather_bytes(record, world_size)
+
+
+#: bytes of one entry of a sparse record: an int32 index in the chunk and an fp32 value
+SPARSE_ENTRY_BYTES = 8
+#: bytes of one index of a sparse record (int32, its position in the chunk)
+SPARSE_INDEX_BYTES = 4
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """Entries of a sparse record of ``numel`` elements: ``⌈fraction · numel⌉``, at least one (none for nothing)."""
+    if numel <= 0:
+        return 0
+    return max(1, math.ceil(fraction * numel))
+
+
+def sparse_record_bytes(
+    numel: int, fraction: float, value_bits: int = 32, block: int = 256, scale_bytes: int = 4
+) -> int:
+    """Bytes of a sparse record of ``numel`` elements: its ``k`` = :func:`topk_count` entries. fp32 values
+    (``value_bits=32``, ``topk:<fraction>``): ``k`` entries of :data:`SPARSE_ENTRY_BYTES`. Narrow values
+    (``value_bits`` 8, 4 or 2: ``topk:<fraction>+int8|int4|int2``): ``k`` indices of :data:`SPARSE_INDEX_BYTES`,
+    one ``scale_bytes`` scale per started ``block`` of entries, and the ``k`` codes packed ``8 // value_bits`` to a
+    byte, those bytes rounded up to a multiple of 4 (the next record stays 4-byte aligned; the padding is sent)."""
+    k = topk_count(numel, fraction)
+    if value_bits == 32:
+        return k * SPARSE_ENTRY_BYTES
+    scales = math.ceil(k / block) * scale_bytes
+    return k * SPARSE_INDEX_BYTES + scales + _round_up(math.ceil(k * value_bits / 8), 4)

@@ -8,9 +8,20 @@ model-sized copy (PyTorch's ``average_parameters`` allocates one with ``torch.ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_sync.comm.fsdp import (
+    bind_local_shard,
+    fsdp_params,
+    is_sharded,
+    local_part,
+    padded_numel,
+    reshard,
+    sharded_like,
+)
 
 
 @dataclass
@@ -58,12 +69,31 @@ class FlatState:
 
     Frozen parameters are included in ``state`` (they may be unfrozen later, and a sync must keep them equal)
     but never receive a gradient view.
+
+    **A module sharded with FSDP2** (every parameter a ``DTensor`` of ``fully_shard``; :attr:`sharded`): ``state``
+    holds each parameter's *local shard* (with FSDP2's padding, :mod:`~lightning_sync.comm.fsdp`), FSDP2's own
+    storage a view of it, so a sync averages this rank's shard. The gradients stay FSDP2's (the ``DTensor``
+    gradients its reduce-scatter writes inside backward, averaged over the replica's ranks): :meth:`bind_grads` does
+    nothing. The flat gradient buffer has the state's layout (each local shard at its parameter's padded offset, the
+    padding zero, the buffers' scratch tail after them), and a gradient sync between replicas or the replica's
+    gradient norm fills it from FSDP2's gradients first (:meth:`pack_grads`: one copy of the local gradient shards)
+    and, after an average, writes it back into them (:meth:`unpack_grads`), so :meth:`grad_tensors` and
+    :meth:`grad_sq_norm` read this rank's local gradient shard as one tensor per buffer.
     """
 
     def __init__(self, module: nn.Module) -> None:
+        shards = fsdp_params(module) if any(is_sharded(p) for p in module.parameters()) else None
+        #: whether the parameters are FSDP2's local shards (see the class docstring)
+        self.sharded = shards is not None
+        self._module = module if self.sharded else None
         params: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
         order: dict[int, int] = {}
         for i, p in enumerate(module.parameters()):
+            if shards is not None and id(p) not in shards:
+                raise ValueError(
+                    f"parameter {i} of the module is not sharded by fully_shard while others are: shard every "
+                    "parameter (fully_shard the root module too) or none"
+                )
             if p.is_sparse:
                 raise ValueError("sparse parameters are not supported by lightning_sync strategies")
             params.setdefault((p.device, p.dtype), []).append(p)
@@ -78,7 +108,7 @@ class FlatState:
                 buffers.setdefault((buf.device, buf.dtype), []).append((mod, name, buf))
         self.groups: list[_Group] = []
         for key in list(params) + [k for k in buffers if k not in params]:
-            group = self._build(params.get(key, []), buffers.get(key, []), *key)
+            group = self._build(params.get(key, []), buffers.get(key, []), *key, shards)
             group.param_order = [order[id(p)] for p in group.params]
             self.groups.append(group)
 
@@ -88,7 +118,10 @@ class FlatState:
         buffers: list[tuple[nn.Module, str, Tensor]],
         device: torch.device,
         dtype: torch.dtype,
+        shards: dict[int, Any] | None = None,
     ) -> _Group:
+        if shards is not None:
+            return FlatState._build_sharded(params, buffers, device, dtype, shards)
         p_numel = sum(p.numel() for p in params)
         b_numel = sum(b.numel() for _, _, b in buffers)
         state = torch.empty(p_numel + b_numel, device=device, dtype=dtype)
@@ -109,7 +142,16 @@ class FlatState:
                     grad_views[-1].copy_(p.grad)
                     p.grad = grad_views[-1]
                 offset += n
-            slots = []
+            slots = FlatState._bind_buffers(buffers, state, offset)
+        return _Group(
+            state, grads, list(params), param_views, grad_views, trainable, b_numel, p_numel, slots, [], offsets
+        )
+
+    @staticmethod
+    def _bind_buffers(buffers: list[tuple[nn.Module, str, Tensor]], state: Tensor, offset: int) -> list:
+        """The floating buffers rebound as views of ``state`` from ``offset`` on; their slots."""
+        slots = []
+        with torch.no_grad():
             for mod, name, buf in buffers:
                 n = buf.numel()
                 view = state[offset : offset + n].view_as(buf)
@@ -117,9 +159,42 @@ class FlatState:
                 mod._buffers[name] = view
                 slots.append((mod, name))
                 offset += n
+        return slots
+
+    @staticmethod
+    def _build_sharded(
+        params: list[nn.Parameter],
+        buffers: list[tuple[nn.Module, str, Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+        shards: dict[int, Any],
+    ) -> _Group:
+        """A group of FSDP2 parameters: their padded local shards, FSDP2's storage bound to views of ``state``."""
+        sizes = [padded_numel(shards[id(p)]) for p in params]
+        p_numel = sum(sizes)
+        b_numel = sum(b.numel() for _, _, b in buffers)
+        state = torch.empty(p_numel + b_numel, device=device, dtype=dtype)
+        param_views, offsets = [], []
+        offset = 0
+        for p, n in zip(params, sizes):
+            offsets.append(offset)
+            param_views.append(bind_local_shard(shards[id(p)], state[offset : offset + n]))
+            offset += n
+        slots = FlatState._bind_buffers(buffers, state, offset)
+        trainable = [p.requires_grad for p in params]
+        # FSDP2's gradients are DTensors of its own; this buffer (the state's layout) takes a copy of their local
+        # shards when a gradient sync or norm needs them (pack_grads)
+        grads = torch.zeros(p_numel + b_numel, device=device, dtype=dtype)
+        grad_views = [grads[o : o + v.numel()].view_as(v) for o, v in zip(offsets, param_views)]
         return _Group(
             state, grads, list(params), param_views, grad_views, trainable, b_numel, p_numel, slots, [], offsets
         )
+
+    def reshard(self) -> None:
+        """Sharded: free FSDP2's unsharded parameters kept after a forward without backward (validation), so the
+        next forward gathers the local shards as they are now (after a sync or a swap); nothing otherwise."""
+        if self._module is not None:
+            reshard(self._module)
 
     # ------------------------------------------------------------------ views used by the strategies
     def state_tensors(self) -> list[Tensor]:
@@ -127,10 +202,21 @@ class FlatState:
         return [g.state for g in self.groups if g.state.numel()]
 
     def grad_tensors(self, with_buffers: bool = True) -> list[Tensor]:
-        """``[grads | buffer copy]`` per group (call :meth:`stage_buffers` first when ``with_buffers``)."""
+        """``[grads | buffer copy]`` per group (call :meth:`stage_buffers` first when ``with_buffers``; sharded:
+        :meth:`pack_grads` first)."""
         if with_buffers:
             return [g.grads for g in self.groups if g.grads.numel()]
         return [g.grad_region for g in self.groups if g.param_numel]
+
+    def drop_grads(self) -> None:
+        """Set every trainable parameter's ``.grad`` to ``None``: the optimizer's next step leaves those parameters
+        and their state (momentum, weight decay, Adam's moments and step) as they are — a step that must not apply,
+        e.g. a fault-tolerant gradient average that did not commit. :meth:`bind_grads` binds them again before the
+        next backward."""
+        for g in self.groups:
+            for p, train in zip(g.params, g.trainable):
+                if train:
+                    p.grad = None
 
     def stage_buffers(self, group: int | None = None) -> None:
         """Copy the buffers into the gradient buffer's scratch tail (before a gradient sync); of one group when
@@ -163,6 +249,8 @@ class FlatState:
         before the next backward, so autograd accumulates in place. A gradient that was replaced by another
         tensor is copied into its slot first.
         """
+        if self.sharded:
+            return  # FSDP2's gradients (see the class docstring)
         for g in self.groups:
             zeroed = False
             for p, view, train in zip(g.params, g.grad_views, g.trainable):
@@ -178,6 +266,37 @@ class FlatState:
                     view.copy_(grad)
                     p.grad = view
 
+    def pack_grads(self) -> None:
+        """Sharded: copy every trainable parameter's local gradient shard (FSDP2's ``DTensor`` gradient; zeros where
+        it has none) into its view of the flat gradient buffer. Nothing otherwise (the gradients live there)."""
+        if not self.sharded:
+            return
+        with torch.no_grad():
+            for g in self.groups:
+                for p, view, train in zip(g.params, g.grad_views, g.trainable):
+                    if not train:
+                        continue
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(local_part(p.grad))
+
+    def unpack_grads(self) -> None:
+        """Sharded: write the flat gradient buffer (after an average) back into every trainable parameter's
+        gradient, what the optimizer applies; a parameter that had none gets a ``DTensor`` gradient placed as the
+        parameter (another replica's contribution reached it). Nothing otherwise."""
+        if not self.sharded:
+            return
+        with torch.no_grad():
+            for g in self.groups:
+                for p, view, train in zip(g.params, g.grad_views, g.trainable):
+                    if not train:
+                        continue
+                    if p.grad is None:
+                        p.grad = sharded_like(view.clone(), p)
+                    else:
+                        local_part(p.grad).copy_(view)
+
     def grads_bound(self) -> bool:
         return all(
             p.grad is not None and p.grad.data_ptr() == v.data_ptr()
@@ -189,8 +308,8 @@ class FlatState:
     def grad_sq_norm(self) -> Tensor:
         """Squared L2 norm of this rank's whole gradient: one fused dot product per group, no per-tensor loop.
 
-        Only valid while the gradients are bound (:meth:`bind_grads` ran before backward); parameters that got
-        no gradient contribute zero.
+        Only valid while the gradients are bound (:meth:`bind_grads` ran before backward; sharded: after
+        :meth:`pack_grads`, this rank's local gradient shard's); parameters that got no gradient contribute zero.
         """
         total: Tensor | None = None
         for g in self.groups:

@@ -32,14 +32,14 @@ failed send, acknowledgement or work-counter request (:mod:`~lightning_sync.comm
 ``torch.distributed`` wait during shutdown aborts the process (SIGABRT, measured with 3 ranks).
 
 **Compression** (``compressor``, :mod:`lightning_sync.comm.compression`): a push's payload is the worker's delta
-in the wire format — int8 with error feedback per server (the residual of each remote server's shards, a stream of
-the compressor, so it is checkpointed with the strategy) — and the server decodes it into fp32 and adds it to its
-fp32 shards, which stay the master copy. A pull's payload is the server's parameters in the wire format, without
-error feedback (a pull replaces the replica, nothing accumulates to feed back): the worker's replica then holds the
-global parameters **rounded to the wire format** — nearest bf16/fp16, or int8 with one scale per 256 elements (error
-at most half a step, ``max|x| / 254`` of its block) — while the servers keep them exact. What a rank exchanges with
-its own server is not sent and stays exact, and so does the all-gather of the global model at meeting points
-(validation, checkpoints, fit end).
+in the wire format — the integer formats with error feedback per server (the residual of each remote server's
+shards, a stream of the compressor, so it is checkpointed with the strategy) — and the server decodes it into fp32
+and adds it to its fp32 shards, which stay the master copy. A pull's payload is the server's parameters in the wire
+format, without error feedback (a pull replaces the replica, nothing accumulates to feed back): the worker's replica
+then holds the global parameters **rounded to the wire format** — nearest bf16/fp16, or int8/int4/int2 with one
+scale per 256 elements (error at most half a step, ``max|x| / 254``, ``/ 14`` or ``/ 2`` of its block) — while the
+servers keep them exact. What a rank exchanges with its own server is not sent and stays exact, and so does the
+all-gather of the global model at meeting points (validation, checkpoints, fit end).
 
 **Link emulation** (``link``): a message costs ``latency + bytes / bandwidth`` on its receiver's side, before it
 is applied or delivered, and every message a rank receives — workers' pushes into its server, its servers'
@@ -282,7 +282,7 @@ class ParameterServer:
             numel = self.plan.numel(self.rank)
             buf = torch.empty(HEADER_BYTES + self.payload_bytes(numel), dtype=torch.uint8)
             payload = buf[HEADER_BYTES:].view(self.dtype) if self.compressor is None else buf[HEADER_BYTES:]
-            scratch = torch.empty(numel if self.compressor is not None else 0, dtype=self.dtype)  # int8's encoding
+            scratch = torch.empty(numel if self.compressor is not None else 0, dtype=self.dtype)  # their encoding
             while True:
                 with GATE.idle():
                     item = self._outbox.get()

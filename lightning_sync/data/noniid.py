@@ -35,9 +35,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DistributedSampler
 
 from ..core.validation import check_int, check_real
+from .sharding import CheckedDistributedSampler
 
 __all__ = ["Dirichlet", "LabelSkew", "format_label_counts", "label_counts"]
 
@@ -150,7 +150,7 @@ def format_label_counts(counts: Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- base
-class _NonIIDSampler(DistributedSampler, ABC):
+class _NonIIDSampler(CheckedDistributedSampler, ABC):
     """Shared machinery: labels, argument checks, the fixed partition, equalised epochs."""
 
     def __init__(
@@ -164,24 +164,9 @@ class _NonIIDSampler(DistributedSampler, ABC):
         labels: Sequence[int] | Tensor | None,
         equalize: str,
     ) -> None:
-        if num_replicas is not None:
-            num_replicas = check_int("num_replicas", num_replicas, 1)
-        if rank is not None:
-            rank = check_int("rank", rank, 0, None if num_replicas is None else num_replicas - 1)
-        seed = check_int("seed", seed, 0)
         if equalize not in _EQUALIZE:
             raise ValueError(f"equalize must be one of {_EQUALIZE}, got {equalize!r}")
-        super().__init__(
-            dataset,  # type: ignore[arg-type]
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
-        # re-check once defaults were taken from torch.distributed
-        check_int("num_replicas", self.num_replicas, 1)
-        check_int("rank", self.rank, 0, self.num_replicas - 1)
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.equalize: str = equalize
         #: label of every dataset sample (int64)
         self.labels: Tensor = _resolve_labels(dataset, labels)

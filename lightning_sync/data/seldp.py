@@ -17,7 +17,8 @@ import operator
 from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import DistributedSampler
+
+from lightning_sync.data.sharding import CheckedDistributedSampler
 
 __all__ = ["SelDPSampler", "seldp_indices"]
 
@@ -124,7 +125,7 @@ def seldp_indices(
     return order[head:] + order[:head]
 
 
-class SelDPSampler(DistributedSampler):
+class SelDPSampler(CheckedDistributedSampler):
     """Distributed sampler implementing SelSync's data partitioning, SelDP (paper §III-D, Fig. 7b).
 
     Drop-in replacement for :class:`~torch.utils.data.DistributedSampler` (same constructor, ``set_epoch``
@@ -152,24 +153,7 @@ class SelDPSampler(DistributedSampler):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        if num_replicas is not None:
-            _check_int("num_replicas", num_replicas)
-            if num_replicas < 1:
-                raise ValueError(f"`num_replicas` must be >= 1, got {num_replicas}")
-        if rank is not None:
-            _check_int("rank", rank)
-            if num_replicas is not None and not 0 <= rank < num_replicas:
-                raise ValueError(f"`rank` must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got {rank}")
-        super().__init__(
-            dataset,  # type: ignore[arg-type]
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
-        # re-check once defaults were taken from torch.distributed
-        _validate_replicas_rank(self.num_replicas, self.rank)
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.chunk_size: int = _chunk_size(len(dataset), self.num_replicas, self.drop_last)
         self.num_samples = self.num_replicas * self.chunk_size
         self.total_size = self.num_samples

@@ -107,8 +107,8 @@ class TokenWindowsDataModule(pl.LightningDataModule):
         self._split(self._encode())
 
     def _encode(self) -> Tensor:
-        """Build ``self.vocab`` and return the token ids of the whole text."""
-        raise NotImplementedError
+        """Build ``self.vocab`` and return the token ids of the whole text (each subclass: its tokenizer)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _encode (its tokenizer)")
 
     def _split(self, ids: Tensor) -> None:
         n_test = int(len(ids) * self.test_fraction)

@@ -11,10 +11,10 @@ from torch.optim import Optimizer
 
 from lightning_sync.core.periodic import ADPSGDController, mean_squared_deviation
 from lightning_sync.core.validation import check_int, check_real
-from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.periodic import PeriodicAveraging
 
 
-class ADPSGDStrategy(SyncStrategy):
+class ADPSGDStrategy(PeriodicAveraging):
     r"""Local SGD whose averaging period adapts so that the replicas' variance before each averaging stays near
     :math:`\gamma_k C_2` (Eq. 16).
 
@@ -35,14 +35,15 @@ class ADPSGDStrategy(SyncStrategy):
     Every rank decides from all-reduced values and the shared learning rate only, so all ranks hold the same period.
     Period, :math:`S_k` and :math:`C_2` are logged at every averaging by :class:`~lightning_sync.callbacks.SyncStats`.
     Computing :math:`S_k` keeps one persistent copy of the parameters (allocated once, reused at every averaging).
-    SIGTERM is checked at averaging steps only.
-
-    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
-    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
-    (with an outer optimizer: its step on the local steps since the last averaging, skipped when there were none).
+    SIGTERM is checked at averaging steps only (:class:`~lightning_sync.strategies.periodic.PeriodicAveraging`).
 
     With an outer optimizer, :math:`S_k` is still the replicas' spread around their mean (measured before the outer
     step), so the period adapts to the same statistic.
+
+    Sharded replicas (``sharded=True``): each rank averages its shard over the ranks of its shard index, and its
+    squared distance to the mean covers its shard only, so the replica's is the sum over its shards (one 8-byte
+    all-reduce inside the replica, tag ``"intra/stat"``, then the sum over the replicas): every rank of every replica
+    observes the same :math:`S_k` and keeps the same period (tested equal to grouped ADPSGD's periods and parameters).
 
     Args:
         p_init: initial period after warm-up (>= 1, <= max_period).
@@ -51,23 +52,16 @@ class ADPSGDStrategy(SyncStrategy):
         low, high: thresholds of Alg. 2 lines 16 and 18, ``0 < low < high``.
         max_period: upper bound of the period (>= 1).
         min_samples: the sampling phase lasts at least this many averagings (>= 1).
-        outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
-            ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
-            of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
-            optimizer steps :math:`\theta_{global}`, every rank takes it (see
-            :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
-        average_at_end: average once more when training ends (a bool).
-        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
-            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
-            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
-            :mod:`~lightning_sync.strategies.evaluation`).
+        average_at_end, evaluate, outer_optimizer: the periodic family's, see
+            :class:`~lightning_sync.strategies.periodic.PeriodicAveraging`.
     """
 
     strategy_name = "adpsgd"
     supports_accumulation = False
     strategy_description = "ADPSGD: periodic averaging with an adaptive period (Alg. 2)"
-    carries_sigterm = True
-    fault_tolerance_refusal = None
+    sharded_refusal = None  # S_k: each shard's deviations summed over the replica's shards (sum_over_model)
+    ft_config_fields = ("p_init", "warmup_epochs", "sample_fraction", "low", "high", "max_period", "min_samples")
+    state_fields = ("controller",)
 
     def __init__(
         self,
@@ -87,8 +81,7 @@ class ADPSGDStrategy(SyncStrategy):
         check_real("sample_fraction", sample_fraction, 0.0, 1.0, high_open=True)
         # validates p_init, low, high, max_period with the controller's own messages
         ADPSGDController(p_init=p_init, low=low, high=high, max_period=max_period, min_samples=min_samples)
-        self._averaging_options(outer_optimizer, average_at_end, evaluate)
-        super().__init__(**kwargs)
+        super().__init__(average_at_end=average_at_end, evaluate=evaluate, outer_optimizer=outer_optimizer, **kwargs)
         self.p_init = p_init
         self.warmup_epochs = warmup_epochs
         self.sample_fraction = float(sample_fraction)
@@ -122,7 +115,7 @@ class ADPSGDStrategy(SyncStrategy):
                 min_samples=self.min_samples,
             )
 
-    def _after_update(self, optimizer: Optimizer) -> None:
+    def _sync_if_due(self, optimizer: Optimizer) -> bool:
         assert self.controller is not None
         synced = self.controller.step()
         if synced:
@@ -132,8 +125,7 @@ class ADPSGDStrategy(SyncStrategy):
                     self.controller.observe(s_k, float(optimizer.param_groups[0]["lr"]))
             else:
                 self.average_state(tag="params")
-            self._check_sigterm()
-        self.step_counter.record(synced)
+        return synced
 
     def _average_and_measure(self) -> float | None:
         """Average, then :math:`S_k` (Alg. 2 lines 10-11) from one scalar all-reduce of squared deviations from the
@@ -154,6 +146,7 @@ class ADPSGDStrategy(SyncStrategy):
             for buf, g in zip(self._scratch, groups):
                 buf.sub_(g.state[: g.param_numel])
                 local.add_(torch.dot(buf, buf).double().to(local.device))
+            self.topology.sum_over_model(local, tag="stat")  # sharded: this replica's shards' deviations summed
             # one value per replica, over the replicas (fault-tolerant: over the quorum, committed with the average)
             self.topology.all_reduce(local, op="sum", tag="stat")
 
@@ -164,18 +157,6 @@ class ADPSGDStrategy(SyncStrategy):
 
     def _ft_next_step_syncs(self) -> bool:
         return self.controller is not None and self.controller.averages_next()
-
-    def _ft_method_config(self) -> dict[str, Any]:
-        return {
-            **super()._ft_method_config(),
-            "p_init": self.p_init,
-            "warmup_epochs": self.warmup_epochs,
-            "sample_fraction": self.sample_fraction,
-            "low": self.low,
-            "high": self.high,
-            "max_period": self.max_period,
-            "min_samples": self.min_samples,
-        }
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()
@@ -192,20 +173,8 @@ class ADPSGDStrategy(SyncStrategy):
             out["s_k"] = float(c.last_s)
         return out
 
-    def strategy_state(self) -> dict[str, Any]:
-        state = super().strategy_state()
-        state["controller"] = self.controller.state_dict() if self.controller is not None else None
-        return state
-
-    def load_strategy_state(self, state: dict[str, Any]) -> None:
-        super().load_strategy_state(state)
-        if state.get("controller") is not None:
-            controller = ADPSGDController(
-                p_init=self.p_init,
-                low=self.low,
-                high=self.high,
-                max_period=self.max_period,
-                min_samples=self.min_samples,
-            )
-            controller.load_state_dict(state["controller"])
-            self.controller = controller
+    def _new_controller(self) -> ADPSGDController:
+        """The controller a checkpoint's is restored into (its warm-up and sampling steps come from the checkpoint)."""
+        return ADPSGDController(
+            p_init=self.p_init, low=self.low, high=self.high, max_period=self.max_period, min_samples=self.min_samples
+        )

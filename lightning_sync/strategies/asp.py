@@ -47,6 +47,7 @@ class ASPStrategy(ParameterServerStrategy):
     strategy_name = "asp"
     strategy_description = "ASP: asynchronous push/pull on a sharded parameter server"
     mode = "asp"
+    state_fields = ("async_pushes",)
 
     def __init__(
         self,
@@ -100,15 +101,6 @@ class ASPStrategy(ParameterServerStrategy):
         )
         self.async_pushes += 1
         return scale
-
-    def strategy_state(self) -> dict[str, Any]:
-        state = super().strategy_state()
-        state["async_pushes"] = self.async_pushes
-        return state
-
-    def load_strategy_state(self, state: dict[str, Any]) -> None:
-        super().load_strategy_state(state)
-        self.async_pushes = int(state.get("async_pushes", 0))
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()

@@ -10,20 +10,11 @@ per rank counts bytes sent, collectives and seconds blocked, and an optional :cl
 delays each operation as a slower network would. :class:`~lightning_sync.callbacks.SyncStats` is added unless the user
 did (``sync_stats=False`` opts out).
 
-This file holds what a method author reads — the constructor, the step and its hooks, :meth:`average_state` /
-:meth:`average_grads`, metrics and state; :class:`SyncStrategy`'s docstring is the guide. The rest is in mixins, one
-concern each: :mod:`~lightning_sync.strategies.launcher` (registered names, launcher, what a spawn launch ships back),
-:mod:`~lightning_sync.strategies.evaluation` (validation and the main checkpoint file see the global model),
-:mod:`~lightning_sync.strategies.checkpoint` (every rank's part beside the checkpoint),
-:mod:`~lightning_sync.strategies.topology` (who averages with whom: flat, grouped, fault-tolerant) and
-:mod:`~lightning_sync.strategies.codec` (exact or compressed values) are components the strategy owns;
-:mod:`~lightning_sync.strategies.outer` (the outer optimizer of parameter averaging),
-:mod:`~lightning_sync.strategies.overlap` (the gradient all-reduce overlapped with backward),
-:mod:`~lightning_sync.strategies.replicas` (replica groups: exact data parallelism inside a replica of several ranks),
-:mod:`~lightning_sync.strategies.training_data` (data injection, loader transforms),
-:mod:`~lightning_sync.strategies.collectives` (Lightning's collectives, counted) and
-:mod:`~lightning_sync.strategies.sigterm` (the SIGTERM check, listening to every rank); argument and setup checks
-are in :mod:`~lightning_sync.strategies.checks`.
+This file holds what a method author reads: the constructor, the step and its hooks, :meth:`average_state` /
+:meth:`average_grads`, metrics and state. Each other concern is an object the strategy owns, in the module of its
+name (``topology``, ``codec``, ``outer``, ``replicas``, ``overlap``, ``clipping``, ``training_data``, ``sigterm``),
+or, for Lightning's own hooks, one of four mixins (``launcher``, ``evaluation``, ``checkpoint``, ``collectives``):
+``docs/architecture.md`` is the map.
 """
 
 from __future__ import annotations
@@ -52,27 +43,29 @@ from lightning_sync.comm import (
     destroy_groups_at_exit,
     report_failure,
 )
-from lightning_sync.comm.buckets import GradBuckets
 from lightning_sync.comm.compression import Compressor, check_compression
 from lightning_sync.core import StepCounter
-from lightning_sync.core.outer import OuterOptimizer
-from lightning_sync.core.validation import check_bool, check_int
+from lightning_sync.core.outer import OuterOptimizer, OuterSGD
+from lightning_sync.core.validation import check_bool
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
-from lightning_sync.strategies.checks import START_METHODS, check_ddp_arguments, check_link, check_supported
+from lightning_sync.strategies.checks import START_METHODS, check_link, check_supported, ddp_arguments
 from lightning_sync.strategies.clipping import LocalClipping, LocalClippingMode, check_local_clipping
 from lightning_sync.strategies.codec import ExactCodec, codec_for
 from lightning_sync.strategies.collectives import CountedCollectives
-from lightning_sync.strategies.defaults import add_default_callback
 from lightning_sync.strategies.evaluation import GlobalModelEvaluation
-from lightning_sync.strategies.fault_tolerance import FaultTolerance, FaultTolerantSync, check_fault_tolerance
+from lightning_sync.strategies.fault_tolerance import FaultTolerance, check_fault_tolerance
+from lightning_sync.strategies.ft_topology import topology_for
 from lightning_sync.strategies.injection import DataInjector
 from lightning_sync.strategies.launcher import SyncLaunching, refuse_after_spawn
 from lightning_sync.strategies.outer import OuterAveraging
 from lightning_sync.strategies.overlap import OverlappedGrads
-from lightning_sync.strategies.replicas import ReplicaGroups, ReplicaSize, check_replica_size
+from lightning_sync.strategies.replicas import FromLayout, ReplicaGroups, ReplicaSize, check_refusal, check_replica_size
+from lightning_sync.strategies.sharded_topology import check_sharded
 from lightning_sync.strategies.sigterm import SigtermCheck
-from lightning_sync.strategies.topology import Topology, topology_for
-from lightning_sync.strategies.training_data import DataLoaderTransform, TrainingData
+from lightning_sync.strategies.state import load_declared_state, save_declared_state
+from lightning_sync.strategies.sync_stats import add_sync_stats
+from lightning_sync.strategies.topology import Topology
+from lightning_sync.strategies.training_data import DataLoaderTransform, TrainingData, check_injection
 
 __all__ = ["START_METHODS", "VERIFY_ENV", "SyncStrategy"]
 
@@ -82,16 +75,9 @@ VERIFY_ENV = "LIGHTNING_SYNC_VERIFY"
 
 class SyncStrategy(
     SyncLaunching,
-    LocalClipping,
     GlobalModelEvaluation,
-    OuterAveraging,
-    OverlappedGrads,
-    ReplicaGroups,
-    TrainingData,
     PerRankCheckpointing,
     CountedCollectives,
-    SigtermCheck,
-    FaultTolerantSync,
     DDPStrategy,
 ):
     r"""Base of every lightning_sync strategy; the guide for method authors follows the arguments.
@@ -110,10 +96,13 @@ class SyncStrategy(
             parameter-server ones.
         injection_seed: seed of the sharing ranks' draw, an integer >= 0.
         compression: what the method's syncs send: ``None`` (the data's own dtype), ``"bf16"`` or ``"fp16"`` (2
-            bytes per element) or ``"int8"`` (1 byte per element plus a 4-byte scale per 256, with error feedback):
-            parameter averaging (as the change since the last average), gradient averaging, OSP's two stages and the
-            parameter server's pushes and pulls (:mod:`lightning_sync.comm.compression`). Sums are taken in fp32.
-            Small control collectives (votes, statistics, SIGTERM flags), floating buffers averaged with gradients,
+            bytes per element), ``"int8"``, ``"int4"`` or ``"int2"`` (codes in [-127, 127], [-7, 7] or [-1, 1]: 1,
+            0.5 or 0.25 byte per element plus a 4-byte scale per 256, with error feedback), or ``"topk:<fraction>"``
+            (each chunk's largest entries with their indices, 8 bytes an entry, with error feedback; parameter
+            averaging only; ``"topk:<fraction>+int2"``, ``+int4``, ``+int8``: the values quantised, 4.27, 4.52 or
+            5.02 bytes an entry): parameter averaging (as the change since the last average), gradient averaging, OSP's
+            two stages and the parameter server's pushes and pulls (:mod:`lightning_sync.comm.compression`). Sums are
+            taken in fp32. Control collectives (votes, statistics, SIGTERM flags), buffers averaged with gradients,
             the setup broadcast, checkpoints and the parameter server's meeting-point gathers stay exact.
         replica_size: what one replica is: ``None`` (default: every rank, the flat behaviour), ``"node"`` (the ranks
             of one node, Lightning's ``devices``) or an integer >= 1 (that many consecutive global ranks; it must
@@ -123,6 +112,10 @@ class SyncStrategy(
             those, then a broadcast inside the replica (:mod:`~lightning_sync.strategies.replicas`). ``link`` then
             emulates the link between replicas only. Refused by the methods that cannot run so (the parameter-server
             family, Sync-Switch, OSP), saying why.
+        sharded: ``True``: each replica's model is sharded with FSDP2 over its ranks (``replica_size``), the method
+            runs between replicas on each rank's shard (BSP, SelSync, local SGD, FedAvg, ADPSGD, DiLoCo; the
+            parameter-server family, OSP and Sync-Switch refuse it, saying why; see
+            :mod:`~lightning_sync.strategies.sharded_topology`, and what ``configure_model`` writes there).
         intra_link: emulate the link inside a replica group (a :class:`~lightning_sync.comm.LinkModel`,
             ``"100gbit"``...; default none); needs replica groups (checked at setup).
         sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
@@ -152,8 +145,8 @@ class SyncStrategy(
     must be issued in the same order on all ranks. The hooks that are yours, in the order they run:
 
     * ``__init__``: check your arguments (``ValueError`` naming the argument and its range), set yours, then
-      ``super().__init__(**kwargs)``. A parameter-averaging method that takes ``outer_optimizer``,
-      ``average_at_end`` and ``evaluate`` sets all three with :meth:`_averaging_options`.
+      ``super().__init__(**kwargs)``. A method that averages parameters on a schedule derives from
+      :class:`~lightning_sync.strategies.periodic.PeriodicAveraging` (its three shared arguments, the step's frame).
     * :meth:`_check_supported` (``setup``): reject Trainer settings the method cannot honour (call ``super()`` first).
     * :meth:`_on_flat_ready` (``setup``): the flat state exists and replicas are identical (or restored on resume).
     * Every optimizer step, in :meth:`optimizer_step`: :meth:`_overlap_grads` (with :attr:`bucket_cap_mb` and no
@@ -162,8 +155,8 @@ class SyncStrategy(
       :meth:`average_grads` here), the optimizer's update, then :meth:`_after_update` (call :meth:`average_state`
       here), then the SIGTERM check unless :attr:`carries_sigterm`. Record each step with
       ``self.step_counter.record(synced)``; use ``self.comm`` for any other collective.
-    * :meth:`strategy_state` / :meth:`load_strategy_state`: every piece of per-rank state (each rank's checkpoint part
-      holds it; extend with ``super()``).
+    * Every piece of per-rank state (each rank's checkpoint part holds it): name it in :attr:`state_fields`; extend
+      :meth:`strategy_state` / :meth:`load_strategy_state` with ``super()`` only where restoring does real work.
     * :meth:`sync_metrics` (logged every few steps) and :meth:`sync_event_metrics` (logged at each sync).
     * Lightning's hooks (``on_train_start``, ``on_train_end``, ``on_validation_start``, ``teardown``...) may be
       extended with ``super()``; ``on_train_end`` runs :meth:`_average_at_end` when ``average_at_end`` is set.
@@ -171,27 +164,28 @@ class SyncStrategy(
     Set :attr:`replicas_diverge`, :attr:`carries_sigterm`, :attr:`supports_accumulation` and :attr:`averages_for_eval`
     to match the method; with compression, :meth:`_averages_state` says whether it averages parameters.
 
-    **Replica groups** (``replica_size``, :mod:`~lightning_sync.strategies.replicas`): the base averages the gradients
-    inside each replica before :meth:`_after_backward`, and :meth:`average_state` / :meth:`average_grads` then average
-    the replicas. A method that runs grouped counts replicas, not ranks (:attr:`num_replicas`,
-    :attr:`replica_index`; ``participants`` are replica indices) and sends any other value with one value per
-    replica through its :attr:`topology` (``self.topology.all_reduce`` / ``mean``); one that cannot sets
-    :attr:`replica_groups_refusal` to the reason (``replica_size`` is then refused at construction).
-    :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy` is the smallest complete example (walked through in
-    ``docs/architecture.md``, with the life of one step).
+    **Replica groups** (``replica_size``): the gradients are averaged inside each replica before
+    :meth:`_after_backward`, the averages then run between replicas; a method counts replicas (:attr:`num_replicas`,
+    :attr:`replica_index`; ``participants`` are replica indices) and sends any other per-replica value through
+    :attr:`topology`, or sets :attr:`replica_groups_refusal`. ``docs/architecture.md`` walks through
+    :class:`~lightning_sync.strategies.localsgd.LocalSGDStrategy`, the smallest complete example.
     """
 
     strategy_name: ClassVar[str | None] = None
     strategy_description: ClassVar[str] = ""
+    #: The ``outer_optimizer`` argument parsed (the outer step, :mod:`~lightning_sync.strategies.outer`); None: none.
+    outer_config: OuterSGD | None = None
+    #: This class's per-rank state, saved and restored (:mod:`~lightning_sync.strategies.state`): attribute names, or
+    #: ``{key: names}`` to save them as one dict under ``key``.
+    state_fields: ClassVar[tuple[str, ...] | dict[str, tuple[str, ...]]] = ()
     #: Whether replicas (parameters, optimizer state) can differ between ranks, so a checkpoint must hold
     #: every rank's own model and optimizer state rather than rank 0's.
     replicas_diverge: ClassVar[bool] = True
     #: Whether ``accumulate_grad_batches > 1`` is supported: the hooks run once per optimizer step, on the gradient
     #: accumulated (in the flat buffer) over the micro-batches.
     supports_accumulation: ClassVar[bool] = True
-    #: ``False``: the base checks for SIGTERM with a 4-byte all-reduce after every update (as Lightning does every
-    #: step). ``True``: the method handles it — folded into its own per-step collective (SelSync), or
-    #: :meth:`_check_sigterm` called at its sync points only (periodic methods, so local steps stay collective-free).
+    #: ``False``: the base checks for SIGTERM with a 4-byte all-reduce after every update (Lightning: every step).
+    #: ``True``: the method does, in its own per-step collective (SelSync) or ``self.sigterm.check()`` at its syncs.
     carries_sigterm: ClassVar[bool] = False
     #: Bucket size in MiB of the gradient all-reduce overlapped with backward (:mod:`lightning_sync.comm.buckets`),
     #: set by the ``bucket_cap_mb`` argument of methods that average gradients every step (they also override
@@ -199,6 +193,19 @@ class SyncStrategy(
     bucket_cap_mb: float | None = None
     #: DDP's ``find_unused_parameters`` for the overlapped all-reduce (see :mod:`lightning_sync.comm.buckets`)
     find_unused_parameters: bool = False
+    #: Why the method cannot run with replica groups (``None``: it can): ``replica_size`` is refused with it.
+    replica_groups_refusal: ClassVar[str | None] = None
+    #: Why the method cannot run with sharded replicas (``None``: it can): ``sharded=True`` is refused with it.
+    sharded_refusal: ClassVar[str | None] = (
+        "the method does not declare that it runs on sharded replicas (one whose averages all go through its "
+        "topology sets sharded_refusal = None)."
+    )
+    #: With replica groups: the MiB buckets of the in-replica gradient all-reduce (BSP: its ``bucket_cap_mb``)
+    intra_bucket_cap_mb: float | None = 25.0
+    num_replicas: FromLayout[int] = FromLayout()
+    replica_index: FromLayout[int] = FromLayout()
+    is_replica_leader: FromLayout[bool] = FromLayout()
+    ranks_per_replica: FromLayout[int] = FromLayout()
     #: Whether validation during fit averages diverged replicas into the module (tag ``"eval"``) and puts each rank's
     #: own back afterwards, and the main checkpoint file holds that average. Only meaningful with
     #: :attr:`replicas_diverge`; the parameter-server strategies set ``False``: they swap in the servers' model.
@@ -207,7 +214,7 @@ class SyncStrategy(
     #: :meth:`_ft_next_step_syncs`). Fault tolerance needs collectives among the replica groups at syncs only, each
     #: after a quorum taken at a step boundary, and a schedule every group can follow from shared state.
     fault_tolerance_refusal: ClassVar[str | None] = (
-        "only local SGD and DiLoCo support fault tolerance (collectives among replica groups at their periodic syncs "
+        "only BSP and the periodic methods support fault tolerance (collectives among replica groups at their syncs "
         "only, each preceded by a torchft quorum at a step boundary)"
     )
 
@@ -220,6 +227,7 @@ class SyncStrategy(
         compression: str | None = None,
         sync_stats: bool = True,
         replica_size: ReplicaSize = None,
+        sharded: bool = False,
         intra_link: LinkModel | str | None = None,
         fault_tolerance: FaultTolerance | None = None,
         local_clipping: LocalClippingMode = "scaled",
@@ -235,36 +243,17 @@ class SyncStrategy(
         link = check_link(link)
         replica_size = check_replica_size(replica_size)
         intra_link = check_link(intra_link, "intra_link")
-        if self.replica_groups_refusal is not None:
-            for name, value in (("replica_size", replica_size), ("intra_link", intra_link)):
-                if value is not None:
-                    raise ValueError(
-                        f"{name} must be None for {type(self).__name__}: {self.replica_groups_refusal} Use "
-                        f"{name}=None (every rank a replica), or a method that runs with replica groups (bsp, "
-                        "localsgd, fedavg, adpsgd, diloco, selsync)."
-                    )
+        self.sharded = check_sharded(self, sharded, replica_size, intra_link, fault_tolerance)
+        check_refusal(self, replica_size=replica_size, intra_link=intra_link)
         check_bool("verify_sync", verify_sync)
         check_bool("sync_stats", sync_stats)
         local_clipping = check_local_clipping(local_clipping)
-        if injection is not None and (not isinstance(injection, (tuple, list)) or len(injection) != 2):
-            raise ValueError(f"injection must be (alpha, beta) with both in (0, 1], or None; got {injection!r}")
-        injection_seed = check_int("injection_seed", injection_seed, 0)
+        injection_seed = check_injection(injection, injection_seed)
         compression = check_compression(compression)
         ft_conflicts = {"compression": compression, "injection": injection}
         fault_tolerance = check_fault_tolerance(self, fault_tolerance, ft_conflicts)
         injector = DataInjector(*injection, seed=injection_seed) if injection else None
-        ddp_arguments: dict[str, Any] = dict(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        check_ddp_arguments(**ddp_arguments)
-        super().__init__(**ddp_arguments)
+        super().__init__(**ddp_arguments(locals()))
         self.link: LinkModel | None = link
         self.replica_size = replica_size
         self.intra_link: LinkModel | None = intra_link
@@ -275,6 +264,11 @@ class SyncStrategy(
         #: ``fault_tolerance``: this process is one replica group of a fault-tolerant run (``None``: not)
         self.fault_tolerance: FaultTolerance | None = fault_tolerance
         self.local_clipping: LocalClippingMode = local_clipping
+        self.replicas = ReplicaGroups(self)  # the replica layout
+        self.overlap = OverlappedGrads(self)  # the gradient all-reduce overlapped with backward
+        self.clipping = LocalClipping(self)  # gradient_clip_val on a local step
+        self.training_data = TrainingData(self)  # loader transforms and data injection
+        self.sigterm = SigtermCheck(self)  # the SIGTERM check, listening to every rank
         self.comm_stats = CommStats()
         self.step_counter = StepCounter()
         self._comm: Communicator | None = None
@@ -284,7 +278,6 @@ class SyncStrategy(
         self._restored_state: dict[str, Any] | None = None
         self._restored_per_rank = False
         self._part_names: dict[str, str] = {}  # this rank's checkpoint path -> rank 0's, for its part's name
-        self._dataloader_transforms: list[DataLoaderTransform] = []
         self.injector: DataInjector | None = injector
         self.compression: str | None = compression
         #: the compression's wire format, buffers and error-feedback residuals (``None`` without compression)
@@ -292,13 +285,10 @@ class SyncStrategy(
         #: how an average's values travel: exact, or compressed with its reference and error feedback
         self.codec: ExactCodec = codec_for(self.compressor)
         self._last_loss: Any = None  # what the closure returned this step (the loss tensor)
-        self._sigterm_buf: Tensor | None = None
         self._restored_comm: dict[str, Any] | None = None
         self._verify_after_update: Communicator | None = None  # verify_sync: check replicas after this update
-        self._grad_buckets: GradBuckets | None = None
-        #: with :attr:`outer_config`: the global parameters and outer momentum (built when the flat state exists)
-        self.outer: OuterOptimizer | None = None
-        self._updates_since_average = 0  # optimizer updates since the last parameter averaging (outer step)
+        #: the outer step after every parameter average (with :attr:`outer_config`; :attr:`outer` is its optimizer)
+        self.outer_averaging = OuterAveraging()
         self._eval_replica: list[Tensor] | None = None  # this rank's replica while the global model is swapped in
         self._main_state_dict: dict[str, Any] | None = None  # what the main checkpoint file holds during a save
         self._adopted: dict[str, Any] | None = None  # rank 0's launch summary, in the launching process after spawn
@@ -311,6 +301,11 @@ class SyncStrategy(
                 refuse_after_spawn(type(self).__name__, "comm")
             raise RuntimeError(f"{type(self).__name__} has no communicator before setup_environment()")
         return self._comm
+
+    @property
+    def outer(self) -> OuterOptimizer | None:
+        """With :attr:`outer_config`: the global parameters and outer momentum (built when the flat state exists)."""
+        return self.outer_averaging.optimizer
 
     @property
     def topology(self) -> Topology:
@@ -332,50 +327,39 @@ class SyncStrategy(
         self._forget_launch_summary()
         super().setup_environment()
         destroy_groups_at_exit()  # torchrun, SLURM, a cluster host: the group outlives fit, not the process
-        self.ranks_per_replica = self._resolve_replica_size()  # raises before any collective (a peer stops alike)
+        self.replicas.resolve()  # raises before any collective (a peer stops alike)
         self._comm = Communicator(self.comm_stats, self.link)
-        self._setup_replica_groups()
-        self._add_sync_stats()
-        if self.fault_tolerance is not None:
-            self._ft_setup_environment()  # joins nothing yet: reaches the lighthouse (a clear error if it cannot)
+        self.replicas.setup()
+        add_sync_stats(self.lightning_module, self.sync_stats)
         self._topology = topology_for(self)
-
-    def _add_sync_stats(self) -> None:
-        """LSSR and bytes in the progress bar and loggers without extra wiring (``sync_stats=False`` opts out). Added
-        before Lightning calls the callbacks' ``setup``, so the callback is set up like one the user passed."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.sync_stats and trainer is not None:
-            add_default_callback(trainer, "sync_stats")  # SyncStats, registered by lightning_sync.callbacks.stats
+        self._topology.setup_environment()  # fault-tolerant: reaches the lighthouse (a clear error if it cannot)
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_supported(trainer)
         super().setup(trainer)
-        self._install_local_clipping()  # the precision plugin is final now
-        if self._ft is not None and self._ft_trainer_fitting(trainer):
-            self._ft_start(trainer)  # the first quorum; a restarted replica group takes its peers' state here
+        self.clipping.install()  # the precision plugin is final now
+        self.topology.start(trainer)  # fault-tolerant: the first quorum; a restarted group takes its peers' state
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         kwargs = super().distributed_sampler_kwargs
-        return kwargs if self.fault_tolerance is None else self._ft_sampler_kwargs(kwargs)
+        return kwargs if self._topology is None else self._topology.sampler_kwargs(kwargs)
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         """Reject Trainer settings this strategy cannot honour, saying why and what to use instead (subclasses
         extend it, calling ``super()`` first)."""
         check_supported(self, trainer)
-        if self.fault_tolerance is not None:
-            self._ft_check_trainer(trainer)
+        self.topology.check_trainer(trainer)
 
     def configure_ddp(self) -> None:
         """Instead of wrapping in ``DistributedDataParallel``: flatten, broadcast rank 0's state, restore."""
         assert self.model is not None
         self._flat = FlatState(self.model)
-        self._setup_grad_buckets()
+        self.overlap.setup(self._flat, self.model)
         if not (self._restored_state is not None and self._restored_per_rank):
             # start identical; a resume of per-rank replicas keeps each rank's own (loaded before setup)
-            for tensor in self._flat.state_tensors():
-                self.comm.broadcast(tensor, src=0, tag="setup")
-        self._setup_outer()
+            self.topology.start_identical(self._flat.state_tensors())
+        self.outer_averaging.setup(self.outer_config, self.flat)
         self.codec.setup(self.flat, self._averages_state(), self.world_size, type(self).__name__)
         self._init_synced()  # evaluate="last_sync": the global model of the last sync starts as the replicas
         if self._restored_state is not None:
@@ -397,6 +381,16 @@ class SyncStrategy(
         if self._flat is not None:
             self._flat.bind_grads()
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().training_step(*self.training_data.batch_args(args), **kwargs)  # injection: shared samples
+
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.training_data.loader(super().process_dataloader(dataloader))
+
+    def add_dataloader_transform(self, transform: DataLoaderTransform) -> None:
+        """Register a transform of the *training* dataloader Lightning prepared (SelDP swaps in its sampler)."""
+        self.training_data.add_transform(transform)
+
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -405,26 +399,26 @@ class SyncStrategy(
         **kwargs: Any,
     ) -> Any:
         def closure_then_sync() -> Any:
-            self._arm_grad_buckets()
+            self.overlap.arm()
             try:
                 result = closure()
                 self._last_loss = result
-                self._average_in_replica()  # replica groups: the replica's ranks average their gradients, exactly
+                self.replicas.average_in_replica(self.overlap.buckets)  # replica groups: exact, inside the replica
                 self._after_backward(optimizer)
             except BaseException:
-                self._abandon_grad_buckets()
+                self.overlap.abandon()
                 raise
-            self._check_grad_buckets_finished()
+            self.overlap.check_finished()
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        self._updates_since_average += 1
+        self.outer_averaging.count_update()
         if self._verify_after_update is not None:
             comm, self._verify_after_update = self._verify_after_update, None
             self._verify(self.flat.state_tensors(), "parameters and buffers after the update", comm)
         self._after_update(optimizer)
         if not self.carries_sigterm and self.world_size > 1:
-            self._check_sigterm()
+            self.sigterm.check()
         return output
 
     def _after_backward(self, optimizer: Optimizer) -> None:
@@ -432,6 +426,10 @@ class SyncStrategy(
 
     def _after_update(self, optimizer: Optimizer) -> None:
         """The optimizer has applied this step's update."""
+
+    def _gradient_is_local(self) -> bool:
+        """Whether this step's gradient, about to be clipped, is this rank's own, not the ranks' mean (clipping.py)."""
+        return True
 
     def _overlap_grads(self) -> tuple[Communicator, str] | None:
         """Before the backward of a step that will update the model: ``(communicator, tag)`` if this step's
@@ -450,13 +448,18 @@ class SyncStrategy(
             # uninterrupted run's start-up, so a resumed run logs the same totals as an uninterrupted one.
             self.comm_stats.load_state_dict(self._restored_comm)
             self._restored_comm = None
-        self._route_sigterm_check()
+        self.sigterm.route()
 
     def on_train_end(self) -> None:
-        self._restore_sigterm_check()
+        self.sigterm.restore()
         if getattr(self, "average_at_end", False) and self._flat is not None:
             self._average_at_end()
         super().on_train_end()
+
+    def _average_at_end(self) -> None:
+        """``average_at_end``: the final average when :attr:`outer_averaging` says one is due (DiLoCo overrides it)."""
+        if self.outer_averaging.final_sync_due(self.topology.has_peers, self._in_sync):
+            self.average_state(tag="final")
 
     # ------------------------------------------------------------------ sync helpers
     def average_state(
@@ -469,11 +472,9 @@ class SyncStrategy(
         every rank takes the result: the others contribute zeros to the same all-reduce (so the bytes are those of
         a full all-reduce) and the sum is divided by ``len(participants)``.
 
-        With an outer optimizer (:attr:`outer_config`, DiLoCo's Algorithm 1 outer step) the parameters' mean then
-        goes through :class:`~lightning_sync.core.outer.OuterOptimizer`: :math:`\Delta = \theta_{global} -
-        \text{mean}`, an outer SGD step on :math:`\theta_{global}`, and every rank takes the new
-        :math:`\theta_{global}`. Floating buffers (BatchNorm statistics) keep the plain mean. ``on_mean`` is called
-        while the flat buffers hold the mean, before that step (ADPSGD measures the replicas' spread there).
+        With an outer optimizer (:attr:`outer_config`) the parameters' mean then goes through :attr:`outer_averaging`
+        (:mod:`~lightning_sync.strategies.outer`: DiLoCo's outer step; buffers keep the plain mean). ``on_mean`` is
+        called while the flat buffers hold the mean, before that step (ADPSGD measures the replicas' spread there).
 
         With replica groups the replicas are averaged, not the ranks: ``participants`` are replica indices, the
         all-reduce runs over the replicas' first ranks and its result is broadcast inside each replica.
@@ -489,7 +490,8 @@ class SyncStrategy(
             self.topology.verify(tensors, "parameters and buffers", committed)
         if not committed:
             return False  # fault-tolerant: this replica group keeps its own values, the next sync tries again
-        self._outer_step(tensors)
+        if self.outer_averaging.apply(self.flat, self.optimizers):
+            self.codec.take_reference(tensors)  # compressed: the next changes are taken from what every rank now holds
         self._record_synced()  # evaluate="last_sync": every rank holds the global model now
         self._mark_in_sync()  # and validation before the next step needs no average
         return True
@@ -509,7 +511,8 @@ class SyncStrategy(
         """
         tensors = self.topology.average_grads(tag, comm)
         if self.verify_sync:
-            comm = comm if comm is not None else self.comm  # with replica groups: every rank of every replica
+            # with replica groups every rank of every replica; sharded replicas: the ranks of this shard index
+            comm = comm if comm is not None else self.topology.identical_over()
             self._verify(tensors, "gradients and buffers", comm)
             if verify_update:
                 self._verify_after_update = comm
@@ -536,11 +539,9 @@ class SyncStrategy(
             "sync_steps": float(self.step_counter.sync_steps),
         }
         metrics.update(self.comm_stats.summary())
-        if self.fault_tolerance is not None and hasattr(self, "ft_quorums"):
-            metrics.update(self._ft_metrics())
-        if self.injector is not None:
-            metrics["injected_samples"] = float(self.injector.injected_samples)
-            metrics["injected_payload_bytes"] = float(self.injector.payload_bytes)
+        if self._topology is not None:
+            metrics.update(self._topology.metrics())  # fault-tolerant: quorums, heals, failed syncs
+        metrics.update(self.training_data.metrics())
         return metrics
 
     def sync_event_metrics(self) -> dict[str, float]:
@@ -553,48 +554,46 @@ class SyncStrategy(
         state: dict[str, Any] = {"comm": self.comm_stats.state_dict(), "steps": self.step_counter.state_dict()}
         if self.injector is not None:
             state["injector"] = self.injector.state_dict()
-        if self.outer is not None:
-            state["outer"] = self._outer_state()
+        if (outer := self.outer_averaging.state_dict()) is not None:
+            state["outer"] = outer
         if (compression := self.codec.state_dict()) is not None:
             state["compression"] = compression  # the error-feedback residuals and the reference
         if self._synced is not None:
             state["synced"] = self._synced_state()
-        if self._ft is not None:
-            state["ft"] = self._ft.state_dict()  # torchft's step: a resumed replica group must not look behind
+        if self._topology is not None:
+            state.update(self._topology.state_dict())  # fault-tolerant: torchft's step
+        state.update(save_declared_state(self))  # the method's declared state_fields, last (as subclasses add theirs)
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         self.comm_stats.load_state_dict(state["comm"])
         self._restored_comm = state["comm"]  # applied again when training starts (see on_train_start)
         self.step_counter.load_state_dict(state["steps"])
+        load_declared_state(self, state)
         if self.injector is not None and state.get("injector") is not None:
             self.injector.load_state_dict(state["injector"])
-        self._load_outer_state(state.get("outer"))
+        self.outer_averaging.load_state_dict(state.get("outer"), self.outer_config)
         self.codec.load_state_dict(state.get("compression"), self.compression)
         self._load_synced(state.get("synced"))
-        if self._ft is not None and state.get("ft") is not None:
-            self._ft.load_state_dict(state["ft"])
+        if self._topology is not None:
+            self._topology.load_state_dict(state)
 
     # ------------------------------------------------------------------ failures
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, before Lightning tears down and the process exits: their next
         operation with this rank raises :class:`~lightning_sync.comm.PeerFailure` naming it and its error."""
-        self._abandon_grad_buckets()  # never wait for buckets in flight on the way out: a peer may be gone
+        self.overlap.abandon()  # never wait for buckets in flight on the way out: a peer may be gone
         if self._comm is not None and self.world_size > 1:
             report_failure(exception)
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
-        if self._grad_buckets is not None:
-            self._grad_buckets.remove()
-            self._grad_buckets = None
-        self._remove_local_clipping()
+        self.overlap.remove()
+        self.clipping.remove()
         if self._topology is not None:
-            self._topology.close()
-            self._topology = None
-        self._teardown_replica_groups()
-        self._ft_teardown()
+            self._topology.close()  # kept: its metrics are read after fit
+        self.replicas.teardown()
         if self._comm is not None:
             self._comm.close()  # the driver thread of asynchronous compressed all-reduces, if one was started
         self._flat = None

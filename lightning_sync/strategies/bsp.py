@@ -26,6 +26,18 @@ class BSPStrategy(SyncStrategy):
     compressed with ``compression``) and broadcast inside each replica — equal to the flat all-reduce in exact
     arithmetic, with the flat bytes on R ranks between replicas.
 
+    **Sharded replicas** (``sharded=True`` with ``replica_size``; :mod:`~lightning_sync.strategies.sharded_topology`):
+    FSDP over every rank, as HSDP lays it out. Inside a replica FSDP2 reduce-scatters (averages) the gradients during
+    backward; after backward every rank's local gradient shard — packed into the flat gradient buffer with the
+    floating buffers beside it — is averaged over the ranks holding the same shard index in every replica (one
+    all-reduce per flat buffer, not overlapped with backward; compressed with ``compression``), written back into
+    FSDP2's gradients, and the user's optimizer updates the shard. The mean of the replicas' means is the mean over all
+    ranks, so the update is Lightning's ``ModelParallelStrategy`` with ``fully_shard`` over all ranks (tested equal in
+    float64) while a rank sends its shard's bytes between replicas, not the model's. The floating buffers, each rank's
+    own under FSDP2, are averaged over the replica's shards too (an exact all-reduce inside the replica): every rank
+    holds the mean of all ranks' buffers, as flat BSP. ``bucket_cap_mb`` has no effect there (FSDP2's
+    reduce-scatter is the in-backward part) and ``find_unused_parameters=True`` is refused at construction.
+
     Args:
         bucket_cap_mb: bucket size in MiB (DDP's argument, default 25), a number > 0; ``None`` all-reduces the
             whole gradient buffer once after backward (no overlap).
@@ -37,13 +49,9 @@ class BSPStrategy(SyncStrategy):
     """
 
     strategy_name = "bsp"
-    strategy_name = "bsp"
-    fault_tolerance_refusal = (
-        "it all-reduces gradients at every step, so a quorum would be needed at every step: that is torchft's own "
-        "DDP (torchft.DistributedDataParallel); this mode makes the periodic methods (local SGD, DiLoCo) "
-        "fault-tolerant, which need a quorum at their syncs only"
-    )
+    fault_tolerance_refusal = None  # a quorum at every step's end, the gradients averaged over it (ft_topology.py)
     strategy_description = "Bulk-synchronous parallel: gradient all-reduce every step, counted by lightning_sync"
+    sharded_refusal = None  # FSDP2 inside the replica, the local gradient shards averaged between (HSDP)
     replicas_diverge = False  # identical gradients every step keep parameters and momentum identical
 
     def __init__(
@@ -60,7 +68,28 @@ class BSPStrategy(SyncStrategy):
                 "find_unused_parameters=True needs bucket_cap_mb (a number > 0): the unused parameters are found by "
                 "the bucketed all-reduce's gradient hooks"
             )
+        if self.find_unused_parameters and kwargs.get("sharded"):
+            raise ValueError(
+                "BSPStrategy(sharded=True) does not support find_unused_parameters=True: inside a sharded replica "
+                "FSDP2 reduce-scatters the gradients, and between replicas the local gradient shards travel in one "
+                "all-reduce after backward, not in DDP's hooked buckets that find the unused parameters. Use "
+                "find_unused_parameters=False (a parameter a replica did not use contributes zeros to the average)"
+            )
+        if self.find_unused_parameters and kwargs.get("fault_tolerance") is not None:
+            raise ValueError(
+                "BSPStrategy(fault_tolerance=...) does not support find_unused_parameters=True: which parameters no "
+                "rank used is found inside a replica group, not across the groups of the quorum. Use "
+                "find_unused_parameters=False (a parameter a group did not use contributes zeros to the average)"
+            )
         super().__init__(**kwargs)
+
+    def _ft_next_step_syncs(self) -> bool:
+        """Fault-tolerant: every step averages the gradients over the replica groups, so every step's end holds the
+        quorum of the next."""
+        return True
+
+    def _ft_method_config(self) -> dict[str, Any]:
+        return {"bucket_cap_mb": self.bucket_cap_mb}
 
     def _overlap_grads(self) -> tuple[Communicator, str] | None:
         return self.comm, "grads"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,12 +58,15 @@ class PerRankCheckpointing:
     """Mixin of :class:`~lightning_sync.strategies.SyncStrategy`: the checkpoint overrides of Lightning's strategy.
 
     Uses from the strategy: ``strategy_state()`` / ``load_strategy_state()`` (what each rank saves),
-    ``replicas_diverge`` (whether each rank's model and optimizer state are saved too), ``comm`` (one broadcast and
-    one barrier per save), and ``_main_file_checkpoint`` (what rank 0 writes to the main file; parameter-server
-    methods put the global model there).
+    ``replicas_diverge`` (whether each rank's model and optimizer state are saved too; sharded replicas always save
+    them, ``topology.parts_hold_model``), ``comm`` (one broadcast and
+    one barrier per save), ``_main_file_checkpoint`` (what rank 0 writes to the main file; parameter-server
+    methods put the global model there), and ``topology`` (the model's form in the parts and the main file: sharded
+    replicas save each rank's local shards in its part and the whole tensors in the main file).
     """
 
     _part_names: dict[str, str]  # this rank's checkpoint path -> rank 0's, for its part's name
+    _topology: Any  # the strategy's topology (None before setup_environment): the model's form in the files
     _restored_state: dict[str, Any] | None
     _restored_per_rank: bool
 
@@ -84,9 +88,10 @@ class PerRankCheckpointing:
         if self._comm is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         part: dict[str, Any] = {"strategy_state": self.strategy_state()}
-        if self.replicas_diverge:
-            part["state_dict"] = checkpoint.get("state_dict")
-            part["optimizer_states"] = checkpoint.get("optimizer_states")
+        per_rank_model = self.topology.parts_hold_model(self.replicas_diverge)  # sharded: always (its own shards)
+        if per_rank_model:
+            part["state_dict"] = self.topology.checkpoint_part(checkpoint.get("state_dict"))
+            part["optimizer_states"] = self.topology.checkpoint_part(checkpoint.get("optimizer_states"))
         # Name every part after rank 0's file: a file name with {step} differs between ranks whose step counts differ
         # (asynchronous methods), and resume looks for <rank 0's file>.rank<r>. Removal maps back without a collective.
         # Rank 0's fresh id for this save travels in the same broadcast.
@@ -101,14 +106,14 @@ class PerRankCheckpointing:
         # The two barriers that end the save are counted ahead (0 bytes, one blocking op each): ours below, after
         # which rank 0 writes the main file, and the one Lightning's Trainer.save_checkpoint issues after this method
         # returns (Trainer.save_checkpoint is the only caller Lightning has; ModelCheckpoint saves through it).
-        checkpoint = self._main_file_checkpoint(checkpoint)
+        checkpoint = self.topology.checkpoint_main(self._main_file_checkpoint(checkpoint))
         part["strategy_state"]["comm"] = self.comm_stats.state_dict(pending=SAVE_BARRIERS)
         save_atomically(self.checkpoint_io, part, self.rank_file(shared, self.global_rank))
         self.comm.barrier(tag="checkpoint")
         checkpoint[CKPT_KEY] = {
             "strategy": type(self).__name__,
             "world_size": self.world_size,
-            "per_rank_model": self.replicas_diverge,
+            "per_rank_model": per_rank_model,
             "checkpoint_id": ckpt_id,
             "ranks_per_replica": self.ranks_per_replica,
         }
@@ -169,6 +174,24 @@ class PerRankCheckpointing:
             self.load_strategy_state(self._restored_state)
             self._restored_state = None
         return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Lightning's, with the state dict in the form the topology loads (sharded replicas: the part's local
+        shards made ``DTensor`` objects again; as read otherwise)."""
+        if self._topology is not None:
+            state_dict = self._topology.restore_model(checkpoint["state_dict"], self.lightning_module)
+            checkpoint = {**checkpoint, "state_dict": state_dict}
+        super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Lightning's, with each optimizer's state in the form the topology loads."""
+        if self._topology is not None:
+            states = [
+                self._topology.restore_optimizer(state, optimizer)
+                for state, optimizer in zip(checkpoint["optimizer_states"], self.optimizers)
+            ]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
 
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)

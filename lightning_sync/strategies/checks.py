@@ -4,8 +4,9 @@ setup saying why and what to use instead."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -17,8 +18,16 @@ from lightning_sync.comm import FlatState, LinkModel
 from lightning_sync.comm.compression import check_compressible
 from lightning_sync.core.validation import check_choice, check_instance
 
-if TYPE_CHECKING:
-    from lightning_sync.strategies.base import SyncStrategy
+
+class Checked(Protocol):
+    """What :func:`check_supported` reads of a :class:`~lightning_sync.strategies.SyncStrategy`."""
+
+    lightning_module: Any
+    precision_plugin: Any
+    supports_accumulation: bool
+    world_size: int
+    topology: Any
+
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -33,6 +42,27 @@ def check_link(link: Any, name: str = "link") -> LinkModel | None:
         return LinkModel.parse(link)
     except ValueError as err:
         raise ValueError(f"{allowed}; {err}") from None
+
+
+#: the arguments a strategy passes on to Lightning's ``DDPStrategy`` as they are
+DDP_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
+
+
+def ddp_arguments(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`DDP_ARGUMENTS` out of a constructor's ``locals()``, checked (:func:`check_ddp_arguments`): what it
+    passes on to ``DDPStrategy.__init__``. The constructor still names each in its signature (LightningCLI reads it)."""
+    arguments = {name: values[name] for name in DDP_ARGUMENTS}
+    check_ddp_arguments(**arguments)
+    return arguments
 
 
 def check_ddp_arguments(
@@ -69,7 +99,7 @@ def check_ddp_arguments(
     check_choice("start_method", start_method, START_METHODS)
 
 
-def check_supported(strategy: SyncStrategy, trainer: pl.Trainer) -> None:
+def check_supported(strategy: Checked, trainer: pl.Trainer) -> None:
     """Reject Trainer settings every lightning_sync strategy cannot honour, saying why and what to use instead."""
     name = type(strategy).__name__
     module = strategy.lightning_module
@@ -91,11 +121,8 @@ def check_supported(strategy: SyncStrategy, trainer: pl.Trainer) -> None:
             f"{name} does not support precision={precision!r}: float16 AMP hands the strategy gradients that "
             "are still loss-scaled. Use precision='bf16-mixed' or '32-true'."
         )
-    if trainer.state.fn == "fit" and strategy.world_size == 1 and strategy.fault_tolerance is None:
-        rank_zero_warn(
-            f"{name} runs with world size 1: there is no other replica to synchronise with, so it trains "
-            "locally. Use devices>1 or num_nodes>1 to train data-parallel."
-        )
+    if trainer.state.fn == "fit" and (alone := strategy.topology.alone()) is not None:
+        rank_zero_warn(name + alone)  # nobody to synchronise with: the topology says why
 
 
 def check_compressible_state(compression: str, flat: FlatState, name: str) -> None:

@@ -1,13 +1,15 @@
-"""How an average's values travel: exact, or compressed (``compression="bf16" | "fp16" | "int8"``); a component any
-:class:`~lightning_sync.strategies.topology.Topology` applies over the communicator it chooses.
+"""How an average's values travel: exact, or compressed (``compression="bf16" | "fp16" | "int8" | "int4" | "int2" |
+"topk:<fraction>"``);
+a component any :class:`~lightning_sync.strategies.topology.Topology` applies over the communicator it chooses.
 
 * :class:`ExactCodec` — the values in their own dtype: one all-reduce per tensor (FedAvg's participants: the others
   contribute zeros, the sum is divided by the participants).
 * :class:`CompressedCodec` — parameter averaging sends each rank's change since the last average (the *reference*,
-  identical on every rank), so a cast or int8 rounds the update, not the parameters; gradient averaging sends the
-  gradients, and the floating buffers (BatchNorm statistics) stay exact beside them. int8 keeps one error-feedback
-  stream per flat buffer (``state/<i>``, ``grads/<i>``) in the
-  :class:`~lightning_sync.comm.compression.Compressor`. The wire format and the fp32 sums are
+  identical on every rank), so a cast or an integer format rounds the update, not the parameters; gradient averaging
+  sends the gradients. Either way the floating buffers (BatchNorm's running statistics: state, not increments, and
+  small) stay exact beside them — a ternary code of a running variance's change could take it below zero. The
+  integer formats (int8, int4, int2) keep one error-feedback stream per flat buffer (``state/<i>``, ``grads/<i>``)
+  in the :class:`~lightning_sync.comm.compression.Compressor`. The wire format and the fp32 sums are
   :mod:`lightning_sync.comm.compression`'s; the codec holds the strategy's side: the reference, and the residuals and
   reference in every rank's checkpoint part.
 """
@@ -86,15 +88,28 @@ class CompressedCodec(ExactCodec):
         #: parameter averaging: the last average (identical on every rank), what the next one is taken relative to
         #: (average = reference + the compressed average of each rank's change since)
         self.reference: list[Tensor] | None = None
+        #: per state tensor (``FlatState.state_tensors()``'s order): how many leading elements are parameters; the
+        #: rest are floating buffers, averaged exactly
+        self._param_numel: list[int] = []
         self._owner = "the strategy"
 
     def setup(self, flat: FlatState, averages_state: bool, world_size: int, owner: str) -> None:
         """Refuse tensors the compression cannot apply to, and take the reference of compressed parameter averaging
         (a resume overwrites it with the checkpoint's)."""
         self._owner = owner
+        if self.compressor.fmt.sparse and not averages_state:
+            raise ValueError(
+                f"compression={self.compressor.name!r} (sparse) applies to the changes a parameter average sends "
+                f"(local SGD, DiLoCo, FedAvg, ADPSGD, SelSync with aggregation='parameters'); {owner} sends "
+                "gradients — a sparse gradient moves a few coordinates a step while momentum and weight decay move "
+                "all of them, which needs Deep Gradient Compression's momentum correction, not implemented here — or "
+                "the parameter server's parameters, which a sparse pull would zero outside its top entries. Use "
+                "'int8', 'int4', 'int2' or a cast with it."
+            )
         check_compressible_state(self.compressor.name, flat, owner)
         if averages_state and world_size > 1:
             self.reference = [t.detach().clone() for t in flat.state_tensors()]
+            self._param_numel = [g.param_numel for g in flat.groups if g.state.numel()]
 
     def average_state(
         self,
@@ -108,7 +123,9 @@ class CompressedCodec(ExactCodec):
         """Every rank sends its change since the last average, ``x_i − ref``, the compressed all-reduce averages the
         changes in fp32 and every rank takes ``ref + mean``, which becomes the new reference. The mean of the
         replicas is ``ref + mean(x_i − ref)`` exactly for any reference the ranks share; the result is bit-identical
-        on every rank. int8 keeps one error-feedback stream per flat buffer (``state/<i>``)."""
+        on every rank. The integer formats keep one error-feedback stream per flat buffer's parameters
+        (``state/<i>``). The floating buffers (each state tensor's tail) are averaged exactly, after the parameters:
+        they are running statistics, which a rounded change could take out of their range."""
         if participants is not None and not participants:
             raise ValueError(f"participants must name at least one {what}")
         if self.reference is None:
@@ -116,13 +133,26 @@ class CompressedCodec(ExactCodec):
                 f"{self._owner} averaged parameters with compression but took no reference at setup: override "
                 "_averages_state() to return True"
             )
+        if len(tensors) != len(self._param_numel) or any(
+            t.numel() != ref.numel() for t, ref in zip(tensors, self.reference)
+        ):
+            raise RuntimeError(
+                f"{self._owner}: a compressed parameter average takes the flat state tensors it was set up with "
+                f"({[r.numel() for r in self.reference]} elements), got {[t.numel() for t in tensors]}"
+            )
         subset = participants is not None and len(participants) != comm.world_size
         contribute = not subset or member in (participants or [])
-        for i, (t, ref) in enumerate(zip(tensors, self.reference)):
-            t.sub_(ref)
-            feedback = self.compressor.feedback(f"state/{i}", t.numel(), t.dtype, t.device)
+        buffers: list[Tensor] = []
+        for i, (t, ref, n) in enumerate(zip(tensors, self.reference, self._param_numel)):
+            if n < t.numel():
+                buffers.append(t[n:])
+            if not n:
+                continue
+            x, x_ref = t[:n], ref[:n]
+            x.sub_(x_ref)
+            feedback = self.compressor.feedback(f"state/{i}", n, t.dtype, t.device)
             comm.all_reduce_compressed(
-                t,
+                x,
                 self.compressor,
                 op="sum" if subset else "avg",
                 tag=tag,
@@ -130,7 +160,10 @@ class CompressedCodec(ExactCodec):
                 divisor=float(len(participants)) if subset and participants else None,
                 contribute=contribute,
             )
-            t.add_(ref)
+            x.add_(x_ref)
+        if buffers:
+            super().average_state(comm, buffers, tag, participants, member, what)
+        for t, ref in zip(tensors, self.reference):
             ref.copy_(t)
 
     def take_reference(self, tensors: list[Tensor]) -> None:
@@ -141,7 +174,7 @@ class CompressedCodec(ExactCodec):
                 ref.copy_(t)
 
     def average_grads(self, comm: Communicator, flat: FlatState, tag: str) -> list[Tensor]:
-        """Each flat gradient buffer through a compressed all-reduce (int8 with the error-feedback stream
+        """Each flat gradient buffer through a compressed all-reduce (the integer formats with the error-feedback stream
         ``grads/<i>``); the floating buffers (BatchNorm statistics: state, not increments, and small) in one exact
         all-reduce of their own. Returns what the sync made identical."""
         grads = flat.grad_tensors(with_buffers=False)

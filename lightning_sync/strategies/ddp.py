@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_sync.comm import CommStats, LinkModel, destroy_default_group, destroy_groups_at_exit
 from lightning_sync.comm.ddp_hook import BufferBroadcastAccounting, DDPHookState, allreduce_hook, charge_broadcast
 from lightning_sync.core.validation import check_bool
-from lightning_sync.strategies.checks import check_ddp_arguments, check_link
+from lightning_sync.strategies.checks import check_link, ddp_arguments
 
 __all__ = ["CountedDDPStrategy"]
 
@@ -90,18 +90,7 @@ class CountedDDPStrategy(DDPStrategy):
                 )
         self.link: LinkModel | None = check_link(link)
         self.record_buckets = check_bool("record_buckets", record_buckets)
-        arguments: dict[str, Any] = dict(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        check_ddp_arguments(**arguments)
-        super().__init__(**arguments, **ddp_kwargs)
+        super().__init__(**ddp_arguments(locals()), **ddp_kwargs)
         self.comm_stats = CommStats()
         #: the hook's state (accounting, emulated link, buckets carried); created in ``setup_environment``
         self.ddp_hook_state: DDPHookState | None = None

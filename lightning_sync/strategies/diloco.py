@@ -13,11 +13,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sync.core.outer import auto_outer_optimizer, parse_outer_optimizer
+from lightning_sync.core.outer import OuterSGD, auto_outer_optimizer, parse_outer_optimizer
 from lightning_sync.core.streaming import FragmentSchedule, fragment_ranges
-from lightning_sync.core.validation import check_bool, check_real
-from lightning_sync.strategies.base import SyncStrategy
-from lightning_sync.strategies.evaluation import check_evaluate
+from lightning_sync.core.validation import check_real
+from lightning_sync.strategies.outer import inner_lr
+from lightning_sync.strategies.periodic import PeriodicAveraging
 from lightning_sync.strategies.topology import InFlight
 
 #: default H (inner steps per outer step): see DiLoCoStrategy's docstring for why not the paper's 500
@@ -52,7 +52,7 @@ class _Pending:
         return self.flight.handles if self.flight is not None else []
 
 
-class DiLoCoStrategy(SyncStrategy):
+class DiLoCoStrategy(PeriodicAveraging):
     r"""DiLoCo: every rank takes inner steps with the user's optimizer (the *inner* optimizer: their configured
     optimizer and learning rate, as for DDP); every ``sync_every`` (:math:`H`) steps the replicas' mean gives the
     outer gradient :math:`\Delta = \theta_{global} - \text{mean}` and an outer optimizer steps
@@ -106,22 +106,35 @@ class DiLoCoStrategy(SyncStrategy):
     last sync (a fragment synced at the last step takes :math:`\theta_{global}`): the model handed back is the global
     model one more sync would give, identical on every rank. Nothing happens when the last step synced everything.
 
-    **Compression** (``compression="bf16" | "fp16" | "int8"``, plain DiLoCo only): each sync sends every rank's
-    change since the last global model in the wire format (the periodic strategies' compressed averaging, fp32
-    sums, int8 with error feedback), the outer step runs on the exact mean of those, and the new
-    :math:`\theta_{global}` becomes the reference of the next sync; the final sync is compressed too. Streaming's
-    overlapped fragment all-reduces are not compressed: ``fragments > 1``, ``delay > 0`` or ``alpha > 0`` with a
-    compression raise at construction.
+    **Compression** (``compression="bf16" | "fp16" | "int8" | "int4" | "int2"``, plain DiLoCo only): each sync
+    sends every rank's change since the last global model in the wire format (the periodic strategies' compressed
+    averaging, fp32 sums, the integer formats with error feedback), the outer step runs on the exact mean of those,
+    and the new :math:`\theta_{global}` becomes the reference of the next sync; the final sync is compressed too.
+    Streaming's overlapped fragment all-reduces are not compressed: ``fragments > 1``, ``delay > 0`` or
+    ``alpha > 0`` with a compression raise at construction.
 
     **Replica groups** (``replica_size``): the ranks of a replica average their gradients every step and stay
     identical; each sync (and each fragment) is averaged over the replicas' first ranks and broadcast inside the
     replica — the streaming fragments' asynchronous all-reduces on a second group of those ranks, the broadcast when
     the fragment is applied — and every rank applies the same outer step to the same mean.
 
+    **Sharded replicas** (``sharded=True``; :mod:`~lightning_sync.strategies.sharded_topology`): each rank runs the
+    method on its packed local shard (its flat buffer holds the local shards with FSDP2's padding, the same length on
+    every rank), :math:`\theta_{global}` and the outer momentum are the shard's, and every average is over the ranks
+    of its shard index. Streaming's fragment :math:`f` is the :math:`f`-th of :math:`K` contiguous ranges of *each
+    rank's local shard* (not of the whole model's flat buffer, as without sharding): the model's fragment :math:`f`
+    is the union of those ranges over the replica's shards, every rank sends :math:`1/K` of its shard per fragment
+    sync (an even load on each rank's link, which a cut of the whole model would not give the shards' ranks), and the
+    schedule is the same on every rank; the fragments in flight run on a second group over each shard index's ranks.
+    So sharded streaming DiLoCo with :math:`K > 1` synchronises other element sets per fragment than grouped
+    streaming DiLoCo (tested by its invariants: each fragment identical across the replicas after its sync, the
+    bytes of a half shard); with :math:`K = 1` (``delay``, ``alpha``) it equals it (tested).
+
     **Checkpoints** hold :math:`\theta_{global}`, the outer momentum, the step (hence the fragment schedule) and the
     fragment in flight: saving waits for its all-reduce to *complete* and stores the result, which the resumed run
     applies at the step it was due — the same trajectory as without the checkpoint (resume is bit-identical,
-    ``tests/test_resume.py``). SIGTERM is checked at sync steps only.
+    ``tests/test_resume.py``). SIGTERM is checked at sync steps only
+    (:class:`~lightning_sync.strategies.periodic.PeriodicAveraging`).
 
     Logged: ``sync/period`` (:math:`H`); ``in_flight_at_step_start`` (attribute: whether the fragment launched at an
     earlier step was still in flight when this step's training began), ``last_launched``/``last_applied``
@@ -138,16 +151,13 @@ class DiLoCoStrategy(SyncStrategy):
             [0, ``sync_every // fragments`` - 1] (so at most one fragment is in flight).
         alpha: :math:`\alpha` in [0, 1], the share of the local fragment kept when the global one is applied.
         average_at_end: the final sync above (a bool).
-        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
-            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
-            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
-            :mod:`~lightning_sync.strategies.evaluation`).
+        evaluate: the periodic family's, see :class:`~lightning_sync.strategies.periodic.PeriodicAveraging`.
     """
 
     strategy_name = "diloco"
     strategy_description = "DiLoCo: local steps, an outer Nesterov step on the averaged pseudo-gradient every H steps"
-    carries_sigterm = True
-    fault_tolerance_refusal = None
+    sharded_refusal = None  # plain and streaming (fragments of each rank's local shard)
+    ft_config_fields = ("sync_every", "fragments", "delay", "alpha")
 
     def __init__(
         self,
@@ -167,27 +177,14 @@ class DiLoCoStrategy(SyncStrategy):
             self.schedule.delay,
         )
         self.alpha = check_real("alpha", alpha, 0.0, 1.0)
-        #: ``outer_optimizer="auto"``: resolved in :meth:`setup_optimizers` from the inner optimizer(s)
-        if isinstance(outer_optimizer, str) and outer_optimizer != "auto":
-            raise ValueError(
-                "outer_optimizer must be 'auto' (chosen from the inner optimizer), None (plain averaging) or a mapping "
-                f"such as {{'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}, got {outer_optimizer!r}"
-            )
-        self.outer_auto = outer_optimizer == "auto"
-        self._outer_chosen = not self.outer_auto  # "auto": chosen once, at the first setup with optimizers
-        #: why the outer optimizer is what it is (``"auto"``: the inner optimizer it was chosen for)
-        self.outer_reason = "auto: chosen at setup" if self.outer_auto else "given"
-        self.outer_config = None if self.outer_auto else parse_outer_optimizer(outer_optimizer)
-        self._saved_outer: tuple[dict[str, Any] | None] | None = None  # a checkpoint's outer state, until chosen
-        self.average_at_end = check_bool("average_at_end", average_at_end)
-        self.evaluate = check_evaluate(evaluate)
         if kwargs.get("compression") is not None and (self.fragments > 1 or self.delay > 0 or self.alpha != 0.0):
             raise ValueError(
                 f"compression={kwargs['compression']!r} needs plain DiLoCo (fragments=1, delay=0, alpha=0), got "
                 f"fragments={self.fragments}, delay={self.delay}, alpha={self.alpha}: the streaming fragments' "
                 "overlapped all-reduces are not compressed. Use plain DiLoCo with compression, or streaming without it."
             )
-        super().__init__(**kwargs)
+        super().__init__(average_at_end=average_at_end, evaluate=evaluate, outer_optimizer=outer_optimizer, **kwargs)
+        self.outer_averaging.chosen = not self.outer_auto  # "auto": chosen once, at the first setup with optimizers
         #: plain DiLoCo: all-reduce each fragment in place and apply it at once (no send buffer)
         self._in_place = delay == 0 and self.alpha == 0.0
         self._step = 0
@@ -200,27 +197,29 @@ class DiLoCoStrategy(SyncStrategy):
         self.last_applied: int | None = None
         self.in_flight_at_step_start: bool | None = None
 
+    def _parse_outer_optimizer(self, spec: Any) -> OuterSGD | None:
+        """``outer_optimizer="auto"``: resolved in :meth:`setup_optimizers` from the inner optimizer(s)."""
+        if isinstance(spec, str) and spec != "auto":
+            raise ValueError(
+                "outer_optimizer must be 'auto' (chosen from the inner optimizer), None (plain averaging) or a mapping "
+                f"such as {{'name': 'sgd', 'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}, got {spec!r}"
+            )
+        self.outer_auto = spec == "auto"
+        #: why the outer optimizer is what it is (``"auto"``: the inner optimizer it was chosen for)
+        self.outer_reason = "auto: chosen at setup" if self.outer_auto else "given"
+        return None if self.outer_auto else parse_outer_optimizer(spec)
+
     # ------------------------------------------------------------------ setup
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """After Lightning builds the inner optimizer(s): ``outer_optimizer="auto"`` chooses the outer optimizer for
         them, builds it over the (identical or restored) replicas and loads a checkpoint's outer state."""
         super().setup_optimizers(trainer)
-        if not self._outer_chosen and self.optimizers:
+        if not self.outer_averaging.chosen and self.optimizers:
             self.outer_config, why = auto_outer_optimizer(self.optimizers)
-            self._outer_chosen = True
             self.outer_reason = f"auto: {why}"
             spec = None if self.outer_config is None else self.outer_config.spec()
             rank_zero_info(f"DiLoCoStrategy: outer optimizer {spec}, {why}")
-            self._setup_outer()
-            pending, self._saved_outer = self._saved_outer, None
-            if pending is not None:
-                super()._load_outer_state(pending[0])
-
-    def _load_outer_state(self, saved: dict[str, Any] | None) -> None:
-        if not self._outer_chosen:  # "auto" before the optimizers exist: loaded once it is chosen
-            self._saved_outer = (saved,)
-            return
-        super()._load_outer_state(saved)
+            self.outer_averaging.choose(self.outer_config, self.flat)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -264,7 +263,7 @@ class DiLoCoStrategy(SyncStrategy):
         )
         return super().training_step(*args, **kwargs)
 
-    def _after_update(self, optimizer: Optimizer) -> None:
+    def _sync_if_due(self, optimizer: Optimizer) -> bool:
         step = self._step
         self._step += 1
         self.last_launched = self.schedule.launched_after(step)
@@ -273,9 +272,7 @@ class DiLoCoStrategy(SyncStrategy):
         self.last_applied = self.schedule.applied_after(step)
         if self.last_applied is not None:
             self._apply()
-        if self.last_launched is not None:
-            self._check_sigterm()
-        self.step_counter.record(self.last_launched is not None)
+        return self.last_launched is not None
 
     def _region(self, part: _Part, params_only: bool = False) -> Tensor:
         return self.flat.groups[part.group].state[part.start : part.param_end if params_only else part.end]
@@ -311,12 +308,12 @@ class DiLoCoStrategy(SyncStrategy):
         if not pending.committed:
             return  # fault-tolerant sync that failed: the local fragment stays as it is, the next sync tries again
         parts = self._parts[pending.fragment]
-        inner_lr = self._inner_lr()
+        lr = inner_lr(self.optimizers)
         with torch.no_grad():
             for part, buf in zip(parts, pending.buffers):
                 n = part.param_end - part.start
                 if self.outer is not None and n:
-                    self.outer.step(buf[:n], part.group, part.start, inner_lr=inner_lr)
+                    self.outer.step(buf[:n], part.group, part.start, inner_lr=lr)
             # compressed: the next changes are taken from the new global model
             self.codec.take_reference([b for b in pending.buffers if b.numel()])
             for part, buf in zip(parts, pending.buffers):  # evaluate="last_sync": before any mixing with alpha
@@ -356,13 +353,13 @@ class DiLoCoStrategy(SyncStrategy):
         if not committed:
             return  # fault-tolerant: the final sync failed, every replica group keeps its own model
         if self.outer is not None:
-            inner_lr = self._inner_lr()
+            lr = inner_lr(self.optimizers)
             with torch.no_grad():
                 for f, steps in enumerate(since):
                     for part in self._parts[f]:
                         params = self._region(part, params_only=True)
                         if steps:
-                            self.outer.step(params, part.group, part.start, inner_lr=inner_lr)
+                            self.outer.step(params, part.group, part.start, inner_lr=lr)
                         else:  # synced at the last step: its mean holds nothing the global model lacks
                             params.copy_(self.outer.global_params[part.group][part.start : part.param_end])
         self._record_synced()
@@ -389,13 +386,12 @@ class DiLoCoStrategy(SyncStrategy):
     def _ft_next_step_syncs(self) -> bool:
         return self.schedule.launched_after(self._step) is not None
 
-    def _ft_method_config(self) -> dict[str, Any]:
-        return {**super()._ft_method_config(), **self._config(), "alpha": self.alpha}
-
     def _config(self) -> dict[str, int]:
         return {"sync_every": self.sync_every, "fragments": self.fragments, "delay": self.delay}
 
     def strategy_state(self) -> dict[str, Any]:
+        # real work: the fragment in flight is waited for and saved (put back into the send buffers on restore), and
+        # the schedule is checked against this run's on restore
         state = super().strategy_state()
         pending = None
         if self._pending is not None:

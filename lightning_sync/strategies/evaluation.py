@@ -151,7 +151,8 @@ class GlobalModelEvaluation:
         tensors = self.flat.state_tensors()
         if self._in_sync:
             if self.verify_sync:
-                self._verify(tensors, f"parameters and buffers (in sync since the last sync, at {tag!r})")
+                what = f"parameters and buffers (in sync since the last sync, at {tag!r})"
+                self._verify(tensors, what, self.replicas.across)  # sharded: each shard index's ranks; else all
             return None
         replica = [t.detach().clone() for t in tensors]
         self.topology.mean(tensors, tag)  # with replica groups: over the leaders, broadcast in the replica
@@ -173,6 +174,7 @@ class GlobalModelEvaluation:
             return
         for tensor, saved in zip(self.flat.state_tensors(), replica):
             tensor.copy_(saved)
+        self.flat.reshard()  # sharded: the next forward gathers this replica's shards, not validation's
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Each rank's part holds its own replica; the main file the global model (see :meth:`_main_file_checkpoint`).

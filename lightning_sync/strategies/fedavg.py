@@ -10,10 +10,10 @@ from torch.optim import Optimizer
 
 from lightning_sync.core.periodic import fedavg_participants, fedavg_sync_positions
 from lightning_sync.core.validation import check_int, check_real
-from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.periodic import PeriodicAveraging
 
 
-class FedAvgStrategy(SyncStrategy):
+class FedAvgStrategy(PeriodicAveraging):
     r"""Local steps; ``syncs_per_epoch`` times per epoch (:math:`E = 1/x`), uniformly spaced, the parameters of a
     random fraction ``fraction`` (:math:`C`) of the ranks are averaged and every rank takes that average.
 
@@ -23,12 +23,9 @@ class FedAvgStrategy(SyncStrategy):
     participants; floating buffers travel with it. ``fraction=1`` with ``syncs_per_epoch`` dividing the epoch's
     steps is local SGD with period ``steps_per_epoch / syncs_per_epoch``. Sync positions are
     ``round(j * steps_per_epoch / x)`` for ``j = 1..x`` (the last one ends the epoch). With replica groups
-    (``replica_size``) the participants are :math:`\lceil C R \rceil` of the :math:`R` replicas (whole replicas).
-
-    With ``average_at_end`` (default) the replicas are averaged once more when training ends (tag ``"final"``, one
-    all-reduce), so the model Lightning hands back and later evaluates is the global model, not rank 0's replica
-    (with an outer optimizer: its step on the local steps since the last round, over all ranks; skipped when there
-    were none).
+    (``replica_size``) the participants are :math:`\lceil C R \rceil` of the :math:`R` replicas (whole replicas);
+    with sharded replicas (``sharded=True``) too, each rank averaging its shard over the ranks of its shard index with
+    the other replicas contributing zeros (tested equal to grouped FedAvg).
 
     Fault-tolerant (``fault_tolerance=FaultTolerance(...)``): each round draws :math:`\lceil C M \rceil` of the
     :math:`M` replica groups in the current quorum (by their rank in it; ``(seed, r)`` as above, so every group draws
@@ -42,23 +39,16 @@ class FedAvgStrategy(SyncStrategy):
         fraction: :math:`C \in (0, 1]`.
         syncs_per_epoch: :math:`x \ge 1`, at most the number of training batches per epoch.
         seed: seed of the participant draw (>= 0).
-        outer_optimizer: ``None`` (plain averaging: every rank takes the mean) or an outer optimizer spec such as
-            ``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}`` (DiLoCo's): at each averaging the mean
-            of the replicas gives the pseudo-gradient :math:`\Delta = \theta_{global} - \text{mean}`, the outer
-            optimizer steps :math:`\theta_{global}`, every rank takes it (see
-            :meth:`~lightning_sync.strategies.base.SyncStrategy.average_state`); buffers keep the plain mean.
-        average_at_end: average once more when training ends (a bool).
-        evaluate: what validation during fit and the main checkpoint file hold: ``"average"`` (default: the
-            replicas' exact average, one all-reduce of the model per validation) or ``"last_sync"`` (the global model
-            of the last sync, kept on every rank: no communication, one model-sized copy per rank; see
-            :mod:`~lightning_sync.strategies.evaluation`).
+        average_at_end, evaluate, outer_optimizer: the periodic family's, see
+            :class:`~lightning_sync.strategies.periodic.PeriodicAveraging` (``average_at_end`` averages all ranks).
     """
 
     strategy_name = "fedavg"
     supports_accumulation = False
     strategy_description = "FedAvg: average a random fraction C of the replicas x times per epoch"
-    carries_sigterm = True
-    fault_tolerance_refusal = None
+    sharded_refusal = None  # the round's participants are replicas, their shards averaged over each shard index
+    ft_config_fields = ("fraction", "syncs_per_epoch", "seed")
+    state_fields = ("round",)
 
     def __init__(
         self,
@@ -73,8 +63,7 @@ class FedAvgStrategy(SyncStrategy):
         self.fraction = check_real("fraction", fraction, 0.0, 1.0, low_open=True)
         self.syncs_per_epoch = check_int("syncs_per_epoch", syncs_per_epoch, 1)
         self.seed = check_int("seed", seed, 0)
-        self._averaging_options(outer_optimizer, average_at_end, evaluate)
-        super().__init__(**kwargs)
+        super().__init__(average_at_end=average_at_end, evaluate=evaluate, outer_optimizer=outer_optimizer, **kwargs)
         self.round = 0
         self.last_participants: list[int] = []
         self._positions: frozenset[int] = frozenset()
@@ -98,7 +87,7 @@ class FedAvgStrategy(SyncStrategy):
         super().on_train_batch_start(batch, batch_idx)
         self._batch_position = batch_idx + 1
 
-    def _after_update(self, optimizer: Optimizer) -> None:
+    def _sync_if_due(self, optimizer: Optimizer) -> bool:
         synced = self._batch_position in self._positions
         if synced:
             self.round += 1
@@ -107,21 +96,12 @@ class FedAvgStrategy(SyncStrategy):
             members = self.topology.members()
             self.last_participants = fedavg_participants(members, self.fraction, self.seed, self.round)
             self.average_state(tag="params", participants=self.last_participants)
-            self._check_sigterm()
-        self.step_counter.record(synced)
+        return synced
 
     def _ft_next_step_syncs(self) -> bool:
         steps = self.lightning_module.trainer.num_training_batches
         following = self._batch_position + 1 if self._batch_position < steps else 1
         return following in self._positions
-
-    def _ft_method_config(self) -> dict[str, Any]:
-        return {
-            **super()._ft_method_config(),
-            "fraction": self.fraction,
-            "syncs_per_epoch": self.syncs_per_epoch,
-            "seed": self.seed,
-        }
 
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()
@@ -130,12 +110,3 @@ class FedAvgStrategy(SyncStrategy):
 
     def sync_event_metrics(self) -> dict[str, float]:
         return {"participants": float(len(self.last_participants))}
-
-    def strategy_state(self) -> dict[str, Any]:
-        state = super().strategy_state()
-        state["round"] = self.round
-        return state
-
-    def load_strategy_state(self, state: dict[str, Any]) -> None:
-        super().load_strategy_state(state)
-        self.round = int(state["round"])

@@ -63,9 +63,10 @@ class OSPStrategy(SyncStrategy):
     step), ``u_max`` (elements), ``ics_wait_s`` (time waiting on ICS) and ``overlap`` (1 − waited / ICS duration).
 
     * With ``compression`` both stages are compressed all-reduces (the ICS one in flight on the ICS group's driver
-      thread), their gradients packed as without it; int8's error-feedback residuals stay with each element in the
-      positions of the whole gradient buffer whatever layers a step packs (:class:`~lightning_sync.comm.compression.
-      FeedbackView`); the buffers travel exactly in an all-reduce of their own; Eq. 5's budget counts wire bytes.
+      thread), their gradients packed as without it; the integer formats' error-feedback residuals stay with each
+      element in the positions of the whole gradient buffer whatever layers a step packs
+      (:class:`~lightning_sync.comm.compression.FeedbackView`); the buffers travel exactly in an all-reduce of their
+      own; Eq. 5's budget counts wire bytes.
 
     Unsupported (rejected at setup): gradient clipping (the correction assumes the unclipped local gradient was
     applied); parameters of several dtypes/devices.
@@ -92,12 +93,20 @@ class OSPStrategy(SyncStrategy):
     )
     supports_accumulation = False
     strategy_description = "OSP: important layers all-reduced before the step, the rest overlapped with the next"
+    state_fields = ("schedule", "_epoch", "_epoch_stats", "_rs_bytes_seconds")
     replicas_diverge = False  # parameters are corrected to the global update: identical on every rank
     replica_groups_refusal = (
         "its two stages split every step's gradient by layer importance over all ranks (the important layers "
         "before the update, the rest in flight during the next step, with the LGP correction on each rank's own "
         "local gradient); a two-level form of both stages is not implemented. For exact gradient averaging with "
         "replica groups use bsp."
+    )
+    sharded_refusal = (
+        "its two stages split every step's gradient by layer importance over all ranks (the important layers' "
+        "average before the update, the rest in flight during the next step, the LGP correction on each rank's own "
+        "local gradient), while on sharded replicas FSDP2 reduce-scatters each layer's gradient over the replica's "
+        "ranks inside backward; a sharded form of both stages is not implemented. For exact gradient averaging over "
+        "sharded replicas use BSPStrategy(sharded=True)."
     )
 
     def __init__(
@@ -164,15 +173,15 @@ class OSPStrategy(SyncStrategy):
         self._ics_local = torch.empty_like(self._ics_buf)
         self._saved_params = torch.empty_like(self._ics_buf)  # unimportant parameters before the local update
         self._saved_momentum = torch.empty_like(self._ics_buf)  # and their momentum buffers (SGD)
-        if self.compressor is not None and self.compressor.fmt.quantized:
-            # packed int8 residuals of each stage: the packed size, and N padded chunks of it
+        if self.compressor is not None and self.compressor.fmt.feedback:
+            # packed residuals (the integer formats) of each stage: the packed size, and N padded chunks of it
             pad = self.world_size * self.compressor.fmt.block
             self._res_packed = {
                 stage: (torch.empty(size, dtype=g.grads.dtype), torch.zeros(size + pad, dtype=g.grads.dtype))
                 for stage, size in (("rs", g.param_numel), ("ics", cap))
             }
         if self.schedule is None:
-            self.schedule = ICSSchedule(g.param_numel, self.max_unimportant_fraction)
+            self.schedule = self._new_schedule()
 
     # ------------------------------------------------------------------ per step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -300,8 +309,8 @@ class OSPStrategy(SyncStrategy):
             n += self._sizes[i]
 
     def _residual_streams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """int8's residuals in the positions of the gradient buffer: this rank's own (worker) and those of the
-        chunks it reduced (server); two streams of the compressor, so both are checkpointed."""
+        """The integer formats' residuals in the positions of the gradient buffer: this rank's own (worker) and
+        those of the chunks it reduced (server); two streams of the compressor, so both are checkpointed."""
         assert self.compressor is not None
         g = self.flat.groups[0]
         streams = []
@@ -312,9 +321,9 @@ class OSPStrategy(SyncStrategy):
         return streams[0], streams[1]
 
     def _packed_feedback(self, stage: str, layers: list[int], n: int) -> FeedbackView | None:
-        """The residuals of ``layers``, packed as their gradients are (int8; ``None`` for the casts)."""
+        """The residuals of ``layers``, packed as their gradients are (integer formats; ``None`` for the casts)."""
         assert self.compressor is not None
-        if not self.compressor.fmt.quantized:
+        if not self.compressor.fmt.feedback:
             return None
         worker, server = self._residual_streams()
         packed_worker, packed_server = self._res_packed[stage]
@@ -481,25 +490,19 @@ class OSPStrategy(SyncStrategy):
         metrics["overlap"] = 1.0 - waited / total if total > 0 else 0.0
         return metrics
 
+    def _new_schedule(self) -> ICSSchedule:
+        return ICSSchedule(self.flat.groups[0].param_numel, self.max_unimportant_fraction)
+
     def strategy_state(self) -> dict[str, Any]:
+        # real work: the ICS in flight is drained and the epoch's loss folded in first; the importance tensor is
+        # saved on the CPU and restored onto the gradients' device in float64 (the rest: state_fields)
         self._drain()
         self._fold_loss()
         state = super().strategy_state()
-        state["schedule"] = self.schedule.state_dict() if self.schedule is not None else None
         state["importance"] = None if self.importance is None else self.importance.cpu()
-        state["epoch"] = self._epoch
-        state["epoch_stats"] = list(self._epoch_stats)
-        state["rs_bytes_seconds"] = list(self._rs_bytes_seconds)
         return state
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         super().load_strategy_state(state)
-        g = self.flat.groups[0]
-        if state.get("schedule") is not None:
-            self.schedule = ICSSchedule(g.param_numel, self.max_unimportant_fraction)
-            self.schedule.load_state_dict(state["schedule"])
         if state.get("importance") is not None:
-            self.importance = state["importance"].to(device=g.grads.device, dtype=torch.float64)
-        self._epoch = int(state["epoch"])
-        self._epoch_stats = list(state["epoch_stats"])
-        self._rs_bytes_seconds = list(state["rs_bytes_seconds"])
+            self.importance = state["importance"].to(device=self.flat.groups[0].grads.device, dtype=torch.float64)

@@ -61,8 +61,8 @@ class ParameterServerStrategy(SyncStrategy):
     available (batches come from the shared order). Nor are replica groups (``replica_size``): the ranks of a
     replica would push and pull at their own pace, never in lockstep.
 
-    With ``compression`` the pushes carry the delta in the wire format (int8: with error feedback per server) and
-    the pulls the global parameters rounded to it; the servers' own parameters stay exact
+    With ``compression`` the pushes carry the delta in the wire format (int8, int4, int2: with error feedback per
+    server) and the pulls the global parameters rounded to it; the servers' own parameters stay exact
     (:mod:`lightning_sync.comm.ps`).
 
     Args:
@@ -84,6 +84,13 @@ class ParameterServerStrategy(SyncStrategy):
         "back the global parameters at its own pace (batches claimed from a shared counter), so the ranks of a "
         "replica would neither step in lockstep nor stay identical, which exact data parallelism inside a replica "
         "needs."
+    )
+    sharded_refusal = (
+        "every rank is an asynchronous worker of the parameter server, pushing its own update and taking back the "
+        "global parameters at its own pace, while the ranks of a sharded replica must run FSDP2's all-gathers and "
+        "reduce-scatters in lockstep at every forward and backward; and the server's shards are ranges of the whole "
+        "model, which no rank of a sharded replica holds. For sharded replicas use a synchronous method "
+        "(BSPStrategy, or local SGD / DiLoCo for infrequent syncs)."
     )
 
     def __init__(self, shard_size: int = 1 << 22, **kwargs: Any) -> None:
@@ -195,7 +202,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.exhausted_epochs += 1
         assert self._ps is not None
         self._ps.finish_epoch(epoch)
-        self._check_sigterm()  # the base's counted all-reduce of every rank's flag; raises on all ranks together
+        self.sigterm.check()  # the base's counted all-reduce of every rank's flag; raises on all ranks together
 
     # ------------------------------------------------------------------ server lifecycle
     def setup_environment(self) -> None:
@@ -266,7 +273,7 @@ class ParameterServerStrategy(SyncStrategy):
         synced = self._exchange(delta, epoch)
         self._prev.copy_(state)
         self.step_counter.record(synced)
-        if self._sigterm_flag() and not self._sigterm_seen and self._work is not None:
+        if self.sigterm.flag() and not self._sigterm_seen and self._work is not None:
             self._sigterm_seen = True
             self._work.exhaust(epoch)  # every rank's epoch ends at its next claim; they stop at the meeting
 
@@ -373,6 +380,8 @@ class ParameterServerStrategy(SyncStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def strategy_state(self) -> dict[str, Any]:
+        # real work on restore: the server state goes into the servers, or waits for them to start; the exhausted
+        # epochs set the epoch the data resumes at
         state = super().strategy_state()
         state["ps"] = self.ps.state_dict()
         state["exhausted_epochs"] = self.exhausted_epochs

@@ -15,26 +15,44 @@ every rank a replica — the flat behaviour, unchanged. With groups of more than
   bytes a leader sends between replicas are the method's flat bytes with the number of replicas as the world size;
   the other ranks of a replica send none of them.
 
-Each level has its own communicator: :attr:`ReplicaGroups._intra` over the replica's ranks (operations recorded as
-``"intra/<tag>"``, emulated on ``intra_link``, default none) and :attr:`ReplicaGroups._inter` over the leaders (the
-strategy's ``link``, sharing the rank's clock with the communicator over all ranks). Control traffic over all ranks
-— the SIGTERM check, SelSync's vote (every rank of a replica casts the same vote from the same averaged gradient:
-one all-reduce per step, as flat, instead of a leaders' all-reduce plus a broadcast in the replica), Lightning's own
-collectives, ``verify_sync``'s checksums, checkpoints — stays on the communicator over all ranks and counts as
-traffic between replicas.
+The layout is :class:`ReplicaGroups`, a component every :class:`~lightning_sync.strategies.SyncStrategy` owns
+(``strategy.replicas``; the strategy's ``num_replicas``, ``replica_index``, ``is_replica_leader`` and
+``ranks_per_replica`` read it). Each level has its own communicator: :attr:`ReplicaGroups.intra` over the replica's
+ranks (operations recorded as ``"intra/<tag>"``, emulated on ``intra_link``, default none) and
+:attr:`ReplicaGroups.inter` over the leaders (the strategy's ``link``, sharing the rank's clock with the
+communicator over all ranks). Control traffic over all ranks — the SIGTERM check, SelSync's vote (every rank of a
+replica casts the same vote from the same averaged gradient: one all-reduce per step, as flat, instead of a leaders'
+all-reduce plus a broadcast in the replica), Lightning's own collectives, ``verify_sync``'s checksums, checkpoints —
+stays on the communicator over all ranks and counts as traffic between replicas.
+
+**Sharded replicas** (``sharded=True`` with ``replica_size``): a replica's ranks hold one model sharded with FSDP2
+over them (the LightningModule's ``configure_model`` applies ``fully_shard`` over ``device_mesh["shard"]``), which
+averages the gradients inside the replica itself (its reduce-scatter): no in-replica communicator of the pack, no
+leaders. :meth:`ReplicaGroups.setup` builds the ``("replicate", "shard")`` device mesh
+(:func:`~lightning_sync.comm.fsdp.replica_mesh`) and, for every shard index, a communicator over the ranks holding
+that shard in each replica (:attr:`ReplicaGroups.across`, the strategy's ``link``): the method's averages run there,
+every rank on its own shard (:class:`~lightning_sync.strategies.sharded_topology.ShardedTopology`). A second
+communicator per replica, over its ranks (:attr:`ReplicaGroups.shards`, the ranks of ``mesh["shard"]``, level
+``intra``), carries the small sums of a whole-model statistic over the replica's shards (SelSync's gradient norm,
+ADPSGD's spread): FSDP2's own collectives keep their process groups.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_sync.comm import Communicator, LinkModel
+from lightning_sync.comm import Communicator, FlatState, LinkModel
 from lightning_sync.comm.accounting import INTRA
+from lightning_sync.comm.buckets import GradBuckets
+from lightning_sync.comm.fsdp import replica_mesh
 
 ReplicaSize = int | Literal["node"] | None
+T = TypeVar("T")
+#: what a step's gradient buckets all-reduce during backward: ``(communicator, tag)``
+OverlapPlan = tuple[Communicator, str]
 
 
 def check_replica_size(value: Any) -> int | str | None:
@@ -50,47 +68,114 @@ def check_replica_size(value: Any) -> int | str | None:
     )
 
 
-class ReplicaGroups:
-    """Mixin of :class:`~lightning_sync.strategies.SyncStrategy` (see the module docstring). The strategy's
-    ``__init__`` sets ``replica_size`` and ``intra_link``; ``setup_environment`` calls
-    :meth:`_setup_replica_groups`, ``teardown`` :meth:`_teardown_replica_groups`; the averages call
-    :meth:`_average_in_replica` and :meth:`_share_in_replica` (the averages between replicas are
-    :class:`~lightning_sync.strategies.topology.GroupedTopology`'s)."""
+def check_refusal(strategy: Any, **arguments: Any) -> None:
+    """At construction: a method that cannot run with replica groups (its ``replica_groups_refusal``, the reason)
+    refuses ``replica_size`` and ``intra_link``."""
+    refusal = strategy.replica_groups_refusal
+    if refusal is None:
+        return
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(
+                f"{name} must be None for {type(strategy).__name__}: {refusal} Use {name}=None (every rank a "
+                "replica), or a method that runs with replica groups (bsp, localsgd, fedavg, adpsgd, diloco, selsync)."
+            )
 
-    #: Why this method cannot run with replica groups (``None``: it can). A strategy that sets it refuses
-    #: ``replica_size`` and ``intra_link`` at construction with this reason.
-    replica_groups_refusal: ClassVar[str | None] = None
-    #: With replica groups: bucket size in MiB of the intra-replica gradient all-reduce overlapped with backward
-    #: (BSP: its ``bucket_cap_mb``); ``None``: one all-reduce after backward.
-    intra_bucket_cap_mb: float | None = 25.0
+
+class FromLayout(Generic[T]):
+    """A read-only attribute of the strategy that is its replica layout's (``strategy.replicas``), by the same name
+    or ``name``: what methods, callbacks and data code read on the strategy (``num_replicas``...)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+        source = getattr(ReplicaGroups, self.name, None)
+        self.__doc__ = source.__doc__ if isinstance(source, property) else None  # the layout's own
+
+    @overload
+    def __get__(self, strategy: None, owner: type | None = None) -> FromLayout[T]: ...
+    @overload
+    def __get__(self, strategy: object, owner: type | None = None) -> T: ...
+    def __get__(self, strategy: object, owner: type | None = None) -> Any:
+        return self if strategy is None else getattr(strategy.replicas, self.name)  # type: ignore[attr-defined,arg-type]
+
+    def __set__(self, strategy: object, value: Any) -> None:
+        raise AttributeError(f"{self.name} is the replica layout's (strategy.replicas), read-only on the strategy")
+
+
+class LayoutHost(Protocol):
+    """What :class:`ReplicaGroups` uses of the strategy that owns it: its arguments (``replica_size``,
+    ``intra_link``, ``intra_bucket_cap_mb``), Lightning's process layout, its communicator over all ranks, its flat
+    state and ``verify_sync``."""
 
     replica_size: int | str | None
+    sharded: bool
     intra_link: LinkModel | None
-    #: ranks per replica, resolved at setup (1: every rank a replica, the flat behaviour)
-    ranks_per_replica: int = 1
-    _intra: Communicator | None = None  # over this rank's replica (replica groups only)
-    _inter: Communicator | None = None  # over the replicas' leaders, on the leaders only (replica groups only)
+    intra_bucket_cap_mb: float | None
+    root_device: Any
+    world_size: int
+    global_rank: int
+    num_processes: int
+    num_nodes: int
+    comm: Communicator
+    flat: FlatState
+    verify_sync: bool
+    _verify_after_update: Communicator | None
 
-    # ------------------------------------------------------------------ topology
+    def _verify(self, tensors: list[Tensor], what: str, comm: Communicator | None = None) -> None: ...
+
+
+class ReplicaGroups:
+    """The replica layout of the strategy that owns it (see the module docstring). The strategy's
+    ``setup_environment`` calls :meth:`resolve` (before any collective), then :meth:`setup`; ``teardown``
+    :meth:`teardown`; every step, after backward, :meth:`average_in_replica`. The averages between replicas are
+    :class:`~lightning_sync.strategies.topology.GroupedTopology`'s, which shares each leader's result with
+    :meth:`share`."""
+
+    def __init__(self, strategy: LayoutHost) -> None:
+        self.strategy = strategy
+        self._ranks = 1  # ranks per replica, resolved at setup
+        self.intra: Communicator | None = None  # over this rank's replica (replica groups only)
+        self.inter: Communicator | None = None  # over the replicas' leaders, on the leaders only (replica groups only)
+        #: sharded replicas: over the ranks that hold this rank's shard index in every replica
+        self.across: Communicator | None = None
+        #: sharded replicas: the ``("replicate", "shard")`` device mesh the LightningModule shards over
+        self.mesh: Any = None
+        #: sharded replicas: over this rank's replica (its shards; level ``intra``), for sums over the whole model
+        self.shards: Communicator | None = None
+
+    # ------------------------------------------------------------------ the layout
+    @property
+    def ranks_per_replica(self) -> int:
+        """Ranks per replica, resolved at setup (1: every rank a replica, the flat behaviour)."""
+        return self._ranks
+
     @property
     def grouped(self) -> bool:
-        """Whether replicas span several ranks (the intra-replica level exists)."""
-        return self.ranks_per_replica > 1
+        """Whether replicas span several ranks that each hold the whole model (the intra-replica level exists)."""
+        return self.ranks_per_replica > 1 and not self.sharded
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each replica's model is sharded with FSDP2 over its ranks (``sharded=True``)."""
+        return bool(self.strategy.sharded)
 
     @property
     def num_replicas(self) -> int:
         """How many replicas train (the world size when every rank is one)."""
-        return self.world_size // self.ranks_per_replica
+        return self.strategy.world_size // self.ranks_per_replica
 
     @property
     def replica_index(self) -> int:
         """This rank's replica (its global rank when every rank is one)."""
-        return self.global_rank // self.ranks_per_replica
+        return self.strategy.global_rank // self.ranks_per_replica
 
     @property
     def is_replica_leader(self) -> bool:
         """Whether this rank is its replica's first, the one that communicates between replicas."""
-        return self.global_rank % self.ranks_per_replica == 0
+        return self.strategy.global_rank % self.ranks_per_replica == 0
 
     def replica_ranks(self, replica: int) -> list[int]:
         """The global ranks of replica ``replica``."""
@@ -101,85 +186,122 @@ class ReplicaGroups:
         return [r * self.ranks_per_replica for r in range(self.num_replicas)]
 
     # ------------------------------------------------------------------ setup
-    def _resolve_replica_size(self) -> int:
+    def resolve(self) -> None:
         """At setup, before any collective: ranks per replica from ``replica_size`` and the Trainer's topology."""
-        name = type(self).__name__
-        world = self.world_size
-        if self.replica_size is None:
+        s = self.strategy
+        name = type(s).__name__
+        world = s.world_size
+        if s.replica_size is None:
             size = 1
-        elif self.replica_size == "node":
-            size = self.num_processes  # Lightning's devices per node: the ranks of one node, consecutive
+        elif s.replica_size == "node":
+            size = s.num_processes  # Lightning's devices per node: the ranks of one node, consecutive
         else:
-            size = int(self.replica_size)
+            size = int(s.replica_size)
             if world % size:
                 raise ValueError(
                     f"{name}(replica_size={size}): replica_size must divide the world size {world} "
-                    f"(num_nodes={self.num_nodes} x devices={self.num_processes}); use a divisor of {world}, 'node' "
+                    f"(num_nodes={s.num_nodes} x devices={s.num_processes}); use a divisor of {world}, 'node' "
                     "(the ranks of one node), or None (every rank a replica)"
                 )
-        if self.intra_link is not None and size == 1:
-            why = "replica_size=None" if self.replica_size is None else f"replica_size={self.replica_size!r} is 1 rank"
+        if s.intra_link is not None and size == 1:
+            why = "replica_size=None" if s.replica_size is None else f"replica_size={s.replica_size!r} is 1 rank"
             raise ValueError(
-                f"{name}(intra_link={self.intra_link}): intra_link emulates the link inside a replica group, and "
+                f"{name}(intra_link={s.intra_link}): intra_link emulates the link inside a replica group, and "
                 f"this run has none ({why}, every rank a replica). Set replica_size to 'node' or a group size > 1, "
                 "or leave intra_link=None (the link argument emulates the link between replicas)."
             )
-        if size > 1 and size == world and getattr(self, "fault_tolerance", None) is None:
-            rank_zero_warn(
-                f"{name}(replica_size={self.replica_size!r}): all {world} ranks form one replica, so there is no "
-                "other replica to synchronise with: this trains as exact data parallelism (BSP) over every rank. Use "
-                "num_nodes > 1 (replica_size='node'), or a smaller replica_size."
-            )
-        return size
+        self._ranks = size
 
-    def _setup_replica_groups(self) -> None:
+    def setup(self) -> None:
         """At ``setup_environment`` (every rank, same order): the intra-replica communicator of every replica and
         the leaders' communicator (group creation is collective over the world)."""
-        self._teardown_replica_groups()
+        self.teardown()
+        if self.sharded:
+            self._setup_sharded()
+            return
         if not self.grouped:
             return
-        self._intra = None
+        self.intra = None
         for replica in range(self.num_replicas):
-            comm = self.comm.subgroup(self.replica_ranks(replica), level=INTRA, link=self.intra_link)
+            comm = self.strategy.comm.subgroup(self.replica_ranks(replica), level=INTRA, link=self.strategy.intra_link)
             if comm is not None:
-                self._intra = comm
-        self._inter = self._new_inter_comm()
+                self.intra = comm
+        self.inter = self.new_inter_comm()
 
-    def _new_inter_comm(self) -> Communicator | None:
+    def _setup_sharded(self) -> None:
+        """The device mesh, per shard index the communicator across the replicas, and per replica the one over its
+        shards (collective, same order)."""
+        s = self.strategy
+        self.mesh = replica_mesh(s.root_device.type, self.num_replicas, self.ranks_per_replica)
+        self.across = self.new_across_comm()
+        for replica in range(self.num_replicas):
+            comm = s.comm.subgroup(self.replica_ranks(replica), level=INTRA)
+            if comm is not None:
+                self.shards = comm
+
+    def new_across_comm(self) -> Communicator:
+        """Sharded replicas: a communicator over the ranks that hold this rank's shard index in every replica, on the
+        strategy's link and this rank's clock. Every rank calls it at the same point (a second one: an independent
+        group, e.g. for asynchronous averages beside blocking ones)."""
+        s, mine = self.strategy, None
+        for shard in range(self.ranks_per_replica):
+            ranks = [replica * self.ranks_per_replica + shard for replica in range(self.num_replicas)]
+            comm = s.comm.subgroup(ranks)
+            if comm is not None:
+                mine = comm
+        assert mine is not None
+        return mine
+
+    def new_inter_comm(self) -> Communicator | None:
         """A communicator over the replicas' leaders (``None`` on the other ranks), on the strategy's link and this
         rank's clock. Every rank calls it at the same point (a second one: an independent group, e.g. for
         asynchronous syncs beside blocking ones)."""
-        return self.comm.subgroup(self.leader_ranks())
+        return self.strategy.comm.subgroup(self.leader_ranks())
 
-    def _teardown_replica_groups(self) -> None:
-        for comm in (self._intra, self._inter):
+    def teardown(self) -> None:
+        for comm in (self.intra, self.inter, self.across, self.shards):
             if comm is not None:
                 comm.destroy()
-        self._intra = self._inter = None
+        self.intra = self.inter = self.across = self.shards = None
+
+    # ------------------------------------------------------------------ the gradient buckets' plan
+    def bucket_cap(self, method_cap: float | None) -> float | None:
+        """The bucket size of the gradient all-reduce overlapped with backward: with replica groups the exact
+        in-replica average's (``intra_bucket_cap_mb``); sharded replicas none (FSDP2 reduce-scatters the gradients
+        inside backward, a gradient average between replicas is one all-reduce of the local shards after it); else
+        the method's ``bucket_cap_mb``."""
+        if self.sharded:
+            return None
+        return self.strategy.intra_bucket_cap_mb if self.grouped else method_cap
+
+    def overlap_plan(self, method: Callable[[], OverlapPlan | None]) -> OverlapPlan | None:
+        """What this step's buckets all-reduce during backward: with replica groups the exact in-replica average of
+        every step (over :attr:`intra`, never compressed), else what the method announces (``method()``)."""
+        return (self.intra, "grads") if self.intra is not None else method()
 
     # ------------------------------------------------------------------ the two levels
-    def _average_in_replica(self) -> None:
+    def average_in_replica(self, buckets: GradBuckets | None) -> None:
         """Every step after backward, with replica groups: the replica's ranks average their gradients and floating
-        buffers (the buckets launched during backward, the rest now; or one all-reduce after backward), exactly."""
-        intra = self._intra
+        buffers (the ``buckets`` launched during backward, the rest now; or one all-reduce after backward), exactly."""
+        intra = self.intra
         if intra is None:
             return
-        flat = self.flat
-        buckets = self._grad_buckets
+        s = self.strategy
+        flat = s.flat
         if buckets is not None and buckets.armed:
-            tensors = buckets.finish(self.comm)  # find_unused_parameters: which parameters no rank used, over all
+            tensors = buckets.finish(s.comm)  # find_unused_parameters: which parameters no rank used, over all
         else:
             flat.stage_buffers()
             tensors = flat.grad_tensors()
             intra.all_reduce_many(tensors, op="avg", tag="grads")
             flat.unstage_buffers()
-        if self.verify_sync:
-            self._verify(tensors, "gradients and buffers inside the replica", intra)
-            self._verify_after_update = intra  # and the parameters after the update (a sync may widen it to all)
+        if s.verify_sync:
+            s._verify(tensors, "gradients and buffers inside the replica", intra)
+            s._verify_after_update = intra  # and the parameters after the update (a sync may widen it to all)
 
-    def _share_in_replica(self, tensors: list[Tensor], tag: str) -> None:
+    def share(self, tensors: list[Tensor], tag: str) -> None:
         """The leader's values to every rank of its replica (one broadcast per tensor, ``"intra/<tag>"``)."""
-        if self._intra is not None:
+        if self.intra is not None:
             for t in tensors:
                 if t.numel():
-                    self._intra.broadcast(t, src=0, tag=tag)
+                    self.intra.broadcast(t, src=0, tag=tag)

@@ -131,6 +131,15 @@ class SelSyncStrategy(SyncStrategy):
     collective, as flat; a leaders' all-reduce plus a broadcast of the decision in the replica would be two), and
     ``voters`` counts replicas. :math:`N` in the default smoothing is the number of replicas.
 
+    **Sharded replicas** (``sharded=True``; :mod:`~lightning_sync.strategies.sharded_topology`): the vote is on the
+    replica's whole gradient, FSDP2's reduce-scattered one, of which each rank holds a shard: its squared norm is each
+    rank's local shard's summed over the replica's ranks (one 8-byte all-reduce inside the replica per step, tag
+    ``"intra/vote"``, blocking, before the vote is cast), so every rank of a replica holds the same Δ and casts the
+    same vote, as with replica groups. A parameter sync averages each rank's shard over the ranks of its shard index;
+    a gradient sync (``aggregation="gradients"``) is sharded BSP's gradient average
+    (:class:`~lightning_sync.strategies.BSPStrategy`). Tested: δ = 0 equals FSDP over all ranks, and with gradient
+    aggregation sharded BSP bit for bit; a fixed δ takes grouped SelSync's votes and parameters.
+
     **Gradient clipping.** ``gradient_clip_val`` :math:`c` acts on the gradient the update uses: with parameter
     aggregation every step's is the rank's own, whose norm exceeds the ranks' average's (what DDP clips) by up to
     :math:`\sqrt N`; with ``local_clipping="scaled"`` (default) a local gradient is clipped at :math:`c\sqrt N` and
@@ -169,7 +178,9 @@ class SelSyncStrategy(SyncStrategy):
 
     strategy_name = "selsync"
     strategy_description = "SelSync: sync when any rank's relative gradient change >= delta, else a local step"
+    sharded_refusal = None  # the vote on the replica's gradient norm, summed over its shards (grad_sq_norm)
     carries_sigterm = True  # the vote all-reduce carries Lightning's per-step SIGTERM flag: one round trip per step
+    state_fields = ("tracker",)
     fault_tolerance_refusal = (
         "its sync decision is a vote of all replicas at every step (an all-reduce of their Δ >= δ flags): under fault "
         "tolerance every vote would need a torchft quorum first — the per-step coordination this mode exists to avoid "
@@ -269,9 +280,10 @@ class SelSyncStrategy(SyncStrategy):
         self._launched: _Vote | None = None  # this step's vote, launched after backward
         self._grads_averaged = False  # aggregation="gradients": whether this step's gradients are the ranks' mean
         self._in_flight: _Vote | None = None  # vote="overlapped": the previous step's, read after this update
-        self._sigterm_deferred = False  # vote="overlapped": this rank's SIGTERM, until a vote that carries it is read
-        self._sq_host: torch.Tensor | None = None  # pinned copy of the squared norm (CUDA gradients, host decision)
-        self._sq_ready: torch.cuda.Event | None = None
+        # pinned copies of the squared norm (CUDA gradients, host decision), one a vote buffer: with
+        # vote="overlapped" the driver thread may read a step's copy after the next step has made its own
+        self._sq_host: list[torch.Tensor] | None = None
+        self._sq_ready: list[torch.cuda.Event | None] = []
 
     def _averages_state(self) -> bool:
         return self.aggregation == "parameters"
@@ -324,13 +336,13 @@ class SelSyncStrategy(SyncStrategy):
         # two buffers: with vote="overlapped" a step's vote is cast while the previous one is still in flight
         self._votes = [torch.zeros(self._vote_slots() + 1, dtype=torch.float32, device=device) for _ in range(2)]
         self._next_buffer = 0
-        self._sq_host = self._sq_ready = None
+        self._sq_host, self._sq_ready = None, []
         cuda = self._grads_device().type == "cuda"
         off_thread = cuda if self._decide_off_thread is None else self._decide_off_thread
         if isinstance(self.tracker, GradientChangeTracker) and off_thread:
             # the norm crosses to the host behind an event; the driver thread decides (see the class docstring)
-            self._sq_host = torch.zeros((), dtype=torch.float64, pin_memory=cuda)
-            self._sq_ready = torch.cuda.Event() if cuda else None
+            self._sq_host = [torch.zeros((), dtype=torch.float64, pin_memory=cuda) for _ in self._votes]
+            self._sq_ready = [torch.cuda.Event() if cuda else None for _ in self._votes]
 
     def _vote_slots(self) -> int:
         """How many floats the vote all-reduce sends."""
@@ -387,23 +399,11 @@ class SelSyncStrategy(SyncStrategy):
         self.step_counter.record(synced)
         self._stop_if_sigterm()
         if self.vote == "overlapped":
-            self._defer_local_sigterm()
+            self.sigterm.defer()  # its flag reaches the others with the vote read one step later: all stop then
 
     def _gradient_is_local(self) -> bool:
         """For :class:`~lightning_sync.strategies.clipping.LocalClipping`: a gradient sync's gradient is the mean."""
         return not (self.aggregation == "gradients" and self._grads_averaged)
-
-    def _defer_local_sigterm(self) -> None:
-        """``vote="overlapped"``: a SIGTERM this rank received reaches the others with a vote read one step later, so
-        every rank stops then, together. Lightning also stops a rank that received it at the end of its batch, on its
-        own flag: that flag moves here until the vote that carries it is read (and is set again then)."""
-        connector = getattr(self.lightning_module.trainer, "_signal_connector", None)
-        if connector is not None and getattr(connector, "received_sigterm", False):
-            connector.received_sigterm = False
-            self._sigterm_deferred = True
-
-    def _sigterm_flag(self) -> float:
-        return 1.0 if self._sigterm_deferred else super()._sigterm_flag()
 
     def _settle_in_flight(self) -> None:
         """Wait for the vote still in flight (``vote="overlapped"``) and keep what it delivered, so nothing is in
@@ -437,18 +437,20 @@ class SelSyncStrategy(SyncStrategy):
         # the last step's vote would decide a step that never comes: wait for it (nothing left in flight), drop it
         self._settle_in_flight()
         self._in_flight = None
-        self._restore_deferred_sigterm()  # a SIGTERM in the last step: Lightning's flag as it would have been
+        self.sigterm.release()  # a SIGTERM in the last step: Lightning's flag as it would have been
         super().on_train_end()
 
-    def _buffer(self) -> torch.Tensor:
-        buffer = self._votes[self._next_buffer]
+    def _buffer(self) -> int:
+        """The index of the next vote buffer (and its host copy of the norm): the two are used in turn."""
+        index = self._next_buffer
         self._next_buffer = 1 - self._next_buffer
-        return buffer
+        return index
 
     def _launch_vote(self) -> _Vote:
         """Lines 8-12 of Alg. 1 in flight: the vote all-reduce, launched without blocking the training thread. The
         threshold is read here, on the training thread (``delta="auto"``: from the maxima observed so far)."""
-        vote = _Vote(None, self._buffer())
+        index = self._buffer()
+        vote = _Vote(None, self._votes[index])
         buffer = vote.buffer
         assert buffer is not None
         if self.calibrator is not None:
@@ -457,8 +459,9 @@ class SelSyncStrategy(SyncStrategy):
         if self._sq_host is None:
             vote.handle = self.comm.all_reduce(self._cast_vote(vote), op="sum", tag="vote", async_op=True)
             return vote
-        self._sq_host.copy_(self.flat.grad_sq_norm(), non_blocking=True)
-        sq_host, ready, sigterm = self._sq_host, self._sq_ready, self._sigterm_flag()
+        # this buffer's copy: the one before was the previous step's, which the driver may not have read yet
+        sq_host, ready, sigterm = self._sq_host[index], self._sq_ready[index], self.sigterm.flag()
+        sq_host.copy_(self.topology.grad_sq_norm(), non_blocking=True)
         if ready is not None:
             ready.record()
 
@@ -476,16 +479,16 @@ class SelSyncStrategy(SyncStrategy):
         assert self.tracker is not None and vote.buffer is not None
         buffer = vote.buffer
         if isinstance(self.tracker, GradientChangeTracker):
-            sq = float(self.flat.grad_sq_norm())
-            vote.delta = self._write_vote(buffer, sq, self._sigterm_flag(), self.threshold)
+            sq = float(self.topology.grad_sq_norm())
+            vote.delta = self._write_vote(buffer, sq, self.sigterm.flag(), self.threshold)
             return buffer[: self._vote_slots()]
-        delta, finite = self.tracker.update(self.flat.grad_sq_norm())
+        delta, finite = self.tracker.update(self.topology.grad_sq_norm())
         vote.delta, vote.update = delta, self.tracker.steps  # Δ read on the host only when asked (last_delta)
         if self.calibrator is not None:  # every rank's delta in its own slot
             buffer[2:-1].zero_()
             buffer[2 + self.global_rank].copy_(delta)  # inf for a non-finite norm: the calibrator counts it as a sync
         buffer[0].copy_(delta >= self.threshold)  # core.wants_sync
-        buffer[1].fill_(self._sigterm_flag())
+        buffer[1].fill_(self.sigterm.flag())
         buffer[-1].copy_(finite)  # local, read with the vote (the tracker's bookkeeping); not sent
         return buffer[: self._vote_slots()]
 
@@ -505,15 +508,8 @@ class SelSyncStrategy(SyncStrategy):
 
     def _stop_if_sigterm(self) -> None:
         if self._sigterm_votes > 0:  # some rank received SIGTERM before this step's vote: all stop here
-            self._restore_deferred_sigterm()
+            self.sigterm.release()
             raise SIGTERMException()
-
-    def _restore_deferred_sigterm(self) -> None:
-        if self._sigterm_deferred:
-            self._sigterm_deferred = False
-            connector = getattr(self.lightning_module.trainer, "_signal_connector", None)
-            if connector is not None:
-                connector.received_sigterm = True
 
     def _resolve_vote(self, vote: _Vote) -> bool:
         if vote.values is None:
@@ -543,9 +539,10 @@ class SelSyncStrategy(SyncStrategy):
         return metrics
 
     def strategy_state(self) -> dict[str, Any]:
+        # real work: the vote in flight is settled first; the calibration and the vote are checked against this run's
+        # delta and vote on restore (the tracker: state_fields)
         self._settle_in_flight()  # the previous step's vote (vote="overlapped"): its decision, and the tracker, settled
         state = super().strategy_state()
-        state["tracker"] = self.tracker.state_dict() if self.tracker is not None else None
         state["last_delta"] = self.last_delta
         state["calibrator"] = self.calibrator.state_dict() if self.calibrator is not None else None
         state["threshold"] = self.threshold
@@ -556,10 +553,6 @@ class SelSyncStrategy(SyncStrategy):
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         super().load_strategy_state(state)
         self._decided_delta = float(state.get("last_delta", 0.0))
-        if state.get("tracker") is not None:
-            tracker = self._new_tracker()
-            tracker.load_state_dict(state["tracker"])
-            self.tracker = tracker
         if self.auto:
             if state.get("calibrator") is None:
                 raise ValueError(

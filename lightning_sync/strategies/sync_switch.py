@@ -55,9 +55,9 @@ from lightning_sync.comm.work import WorkCounter
 from lightning_sync.core.switch import PROTOCOLS
 from lightning_sync.core.validation import check_real
 from lightning_sync.strategies.asp import ASPStrategy
-from lightning_sync.strategies.defaults import default_callback
 from lightning_sync.strategies.param_groups import for_the_step
 from lightning_sync.strategies.ps import ParameterServerStrategy
+from lightning_sync.strategies.sync_switch_control import SyncSwitch
 
 
 class SyncSwitchStrategy(ASPStrategy):
@@ -90,9 +90,17 @@ class SyncSwitchStrategy(ASPStrategy):
     #: accumulation a step spans several positions (the quota would be undercounted) and the callback could
     #: switch between the micro-batches of one step.
     supports_accumulation = False
+    state_fields = {"sync_switch": ("protocol", "_next_protocol", "bsp_batches", "switches")}
     replica_groups_refusal = (
         "its ASP phase makes every rank an asynchronous parameter-server worker (the ranks of a replica would not "
         "step in lockstep), and its BSP phase excludes single stragglers from the gradient all-reduce, rank by rank."
+    )
+    sharded_refusal = (
+        "its ASP phase makes every rank an asynchronous parameter-server worker, while the ranks of a sharded replica "
+        "must run FSDP2's all-gathers and reduce-scatters in lockstep, and its BSP phase excludes single straggling "
+        "ranks from the gradient all-reduce, which a rank of a sharded replica cannot leave (its replica's "
+        "reduce-scatter needs it). For sharded replicas use BSPStrategy(sharded=True), or local SGD / DiLoCo for "
+        "infrequent syncs."
     )
 
     def __init__(
@@ -157,15 +165,8 @@ class SyncSwitchStrategy(ASPStrategy):
                 f"SyncSwitchStrategy needs max_epochs (got {trainer.max_epochs!r}): the switch points are fractions "
                 "of the training workload, max_epochs passes over the data. Set Trainer(max_epochs=N)."
             )
-        # the callback that decides when to switch, added with its defaults when the user passes none; registered by
-        # lightning_sync.callbacks.sync_switch (arrows run callbacks -> strategies only, see strategies/defaults.py)
-        controller = default_callback("sync_switch")
-        if controller is None:
-            raise ValueError(
-                "SyncSwitchStrategy needs a controller callback saying when to switch, and none is registered: "
-                "import lightning_sync.callbacks (done by `import lightning_sync`) or pass "
-                "callbacks=[lightning_sync.callbacks.SyncSwitch(...)]."
-            )
+        # the callback that decides when to switch, added with its defaults when the user passes none
+        controller = SyncSwitch
         if not any(isinstance(cb, controller) for cb in trainer.callbacks):
             trainer.callbacks.append(controller())
             rank_zero_info(
@@ -279,7 +280,7 @@ class SyncSwitchStrategy(ASPStrategy):
         self.epoch_done += m
         self.step_counter.record(True)
         if not self.excluded:
-            self._check_sigterm()  # 4 bytes, as BSP: every rank stops together
+            self.sigterm.check()  # 4 bytes, as BSP: every rank stops together
 
     def _measure(self) -> None:
         now = time.perf_counter()
@@ -525,24 +526,6 @@ class SyncSwitchStrategy(ASPStrategy):
         return super()._main_file_checkpoint(checkpoint)
 
     # ------------------------------------------------------------------ state and metrics
-    def strategy_state(self) -> dict[str, Any]:
-        state = super().strategy_state()
-        state["sync_switch"] = {
-            "protocol": self.protocol,
-            "next_protocol": self._next_protocol,
-            "bsp_batches": self.bsp_batches,
-            "switches": list(self.switches),
-        }
-        return state
-
-    def load_strategy_state(self, state: dict[str, Any]) -> None:
-        super().load_strategy_state(state)
-        mine = state.get("sync_switch", {})
-        self.protocol = mine.get("protocol", "bsp")
-        self._next_protocol = mine.get("next_protocol")
-        self.bsp_batches = int(mine.get("bsp_batches", 0))
-        self.switches = list(mine.get("switches", []))
-
     def sync_metrics(self) -> dict[str, float]:
         metrics = super().sync_metrics()
         metrics["asp"] = 1.0 if self.protocol == "asp" else 0.0

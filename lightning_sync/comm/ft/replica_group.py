@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from lightning_sync.comm.accounting import CommStats
@@ -58,9 +59,11 @@ class ReplicaGroupComm:
         replica_id: this replica group's name (restarts keep it; torchft adds a fresh suffix per process).
         min_replicas: the fewest replica groups a step may commit with.
         group_rank, group_world_size: this process among its replica group's processes (1 process per group for now).
-        store_addr, store_port: the replica group's ``TCPStore`` (the default process group's rendezvous); other
-            groups connect to the one of a quorum's primary to build the process group, so ``store_addr`` must be
-            reachable from them.
+        store_addr: the address of this membership's own ``TCPStore``, served on a free port for as long as it lives:
+            other groups connect to the one of a quorum's primary to build the process group, so ``store_addr`` must
+            be reachable from them. Its own store, not the default process group's: torchft keys the rendezvous by
+            quorum id, and a later membership in the same process (another fit, against a restarted lighthouse whose
+            ids start again) would read the earlier one's stale addresses from a shared store.
         state_dict, load_state_dict: what a healthy group sends a group that is behind, and how that one loads it
             (called from the training thread, inside :meth:`quorum`).
         timeout: collectives, the state transfer and the commit; quorum_timeout: how long a quorum may wait for
@@ -80,7 +83,6 @@ class ReplicaGroupComm:
         group_rank: int,
         group_world_size: int,
         store_addr: str,
-        store_port: int,
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
         timeout: timedelta,
@@ -98,6 +100,7 @@ class ReplicaGroupComm:
         self.pg = CountedProcessGroupGloo(stats, clock, timeout)
         transport = PGTransport(self.pg, timeout=timeout, device=torch.device("cpu"))
         kwargs: dict[str, Any] = {} if hostname is None else {"hostname": hostname}
+        self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         try:
             self.manager = Manager(
                 pg=self.pg,
@@ -111,7 +114,7 @@ class ReplicaGroupComm:
                 rank=group_rank,
                 world_size=group_world_size,
                 store_addr=store_addr,
-                store_port=store_port,
+                store_port=self.store.port,
                 lighthouse_addr=lighthouse,
                 replica_id=replica_id,
                 checkpoint_transport=transport,
