@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_sync.comm.accounting import CommStats, LevelStats
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, FeedbackView
-from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes
+from lightning_sync.comm.cost import allgather_bytes, allreduce_bytes, broadcast_bytes, reduce_scatter_bytes
 from lightning_sync.comm.fault import default_timeout, failures, reset, wait_at_exit
 from lightning_sync.comm.forksafe import GATE, start_thread
 from lightning_sync.comm.link import LinkClock, LinkModel
@@ -440,6 +440,29 @@ class Communicator:
             out[0].copy_(tensor)
         self._finish_blocking(tag, start, nbytes)
         return out
+
+    def all_gather_into(self, output: Tensor, input_: Tensor, tag: str = "other") -> None:
+        """Blocking all-gather of every rank's flat ``input_`` into ``output`` (``world_size`` times its elements, in
+        rank order): what FSDP2 all-gathers a module's shards with (:mod:`lightning_sync.comm.fsdp_comm`)."""
+        nbytes = allgather_bytes(input_.numel() * input_.element_size(), self.world_size)
+        self.stats.record_launch(tag, nbytes, blocking=True)
+        start = time.perf_counter()
+        with failures(f"all_gather ({tag})", self.ranks):
+            _all_gather_single(output, input_, group=self.group)
+        self._finish_blocking(tag, start, nbytes)
+
+    def reduce_scatter_into(self, output: Tensor, input_: Tensor, reduce_op: Any, tag: str = "other") -> None:
+        """Blocking reduce-scatter of the flat ``input_`` (``world_size`` chunks) with ``reduce_op`` (a
+        ``torch.distributed.ReduceOp``, as the caller gives it), this rank's chunk into ``output``: FSDP2's reduction
+        of a module's gradients. Bytes: :func:`~lightning_sync.comm.cost.reduce_scatter_bytes` (gloo all-reduces the
+        whole input)."""
+        nbytes = reduce_scatter_bytes(input_.numel(), input_.element_size(), self.world_size, self.rank, self.backend)
+        self.stats.record_launch(tag, nbytes, blocking=True)
+        start = time.perf_counter()
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        with failures(f"reduce_scatter ({tag})", self.ranks):
+            scatter(output, input_, op=reduce_op, group=self.group)
+        self._finish_blocking(tag, start, nbytes)
 
     def all_gather_differentiable(self, tensor: Tensor, tag: str = "other") -> Tensor:
         """All-gather whose backward all-reduces gradients (``torch.distributed.nn``), shape ``(N, *shape)``."""

@@ -12,6 +12,9 @@ These are the numbers the accounting records and the link emulation charges for.
 * **broadcast**: gloo's binomial tree (``gloo/broadcast.cc``): a rank sends ``B`` once per child in the tree
   rooted at ``src``; over all ranks that is :math:`(N-1)B`.
 * **all-gather**: ring, :math:`(N-1)B_{local}` per rank.
+* **reduce-scatter** of ``B`` bytes into ``N`` chunks, gloo: ``ProcessGroupGloo::reduce_scatter_single`` (torch 2.14)
+  all-reduces a copy of the whole input with gloo's ring and keeps this rank's chunk, so it sends the all-reduce's
+  bytes of the whole input; NCCL and others: the ring model :math:`\\lceil (N-1)B/N \\rceil`.
 * **barrier**: no payload.
 * **all-to-all** (equal splits): a rank sends its ``N − 1`` blocks for the others directly (its own stays local),
   :math:`(N-1)B_{block}` per rank, gloo and NCCL alike.
@@ -66,6 +69,16 @@ def allreduce_bytes(numel: int, element_size: int, world_size: int, rank: int, b
     if backend == "gloo":
         return gloo_ring_allreduce_bytes(numel, element_size, world_size, rank)
     return ring_allreduce_bytes(numel, element_size, world_size)
+
+
+def reduce_scatter_bytes(numel: int, element_size: int, world_size: int, rank: int, backend: str) -> int:
+    """Bytes ``rank`` sends in a reduce-scatter of an input of ``numel`` elements (FSDP2's gradient reduction): gloo
+    all-reduces the whole input (see the module docstring), the others send :math:`(N-1)/N` of it (ring)."""
+    if backend == "gloo":
+        return gloo_ring_allreduce_bytes(numel, element_size, world_size, rank)
+    if world_size <= 1:
+        return 0
+    return math.ceil((world_size - 1) * numel * element_size / world_size)
 
 
 def broadcast_bytes(nbytes: int, world_size: int, rank: int, src: int) -> int:
