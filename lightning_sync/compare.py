@@ -26,6 +26,8 @@ from lightning_sync.benchmark.grid import Grid, run_grid
 from lightning_sync.benchmark.merge import merge, write_report, write_summary
 from lightning_sync.benchmark.recipes import load_recipe, recipe_path
 from lightning_sync.benchmark.runs import (
+    FSDP2,
+    LIGHTNING_ROWS,
     REFERENCE,
     Row,
     RunResult,
@@ -89,9 +91,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--strategies",
         default=None,
         help="comma-separated registered names; 'ddp': Lightning's DDPStrategy, the reference (default: ddp and "
-        "every strategy of the pack); NAME+CODEC (bf16, fp16, int8, int4, int2, topk:FRACTION, topk:FRACTION+int2 "
-        "(or +int4, +int8)) adds NAME's "
-        "compressed row, e.g. localsgd+bf16; NAME@KEY=VALUE[@...] a row with those arguments, e.g. "
+        "every strategy of the pack); 'fsdp2': Lightning's ModelParallelStrategy, FSDP2 over all ranks (a model "
+        "whose configure_model shards, e.g. --workload words); NAME+CODEC (bf16, fp16, int8, int4, int2, "
+        "topk:FRACTION, topk:FRACTION+int2 (or +int4, +int8)) adds NAME's compressed row, e.g. localsgd+bf16; "
+        "NAME@KEY=VALUE[@...] a row with those arguments, e.g. "
         "selsync@vote=exact beside selsync",
     )
     parser.add_argument(
@@ -298,7 +301,7 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
             continue
         path = recipe_path(args.recipes_dir, workload, default.strategy)
         tuned = None
-        if args.recipes and default.strategy != REFERENCE:
+        if args.recipes and default.strategy not in LIGHTNING_ROWS:
             if path.exists():
                 tuned = make_row(name, strategy_args.get(key, []), recipe=load_recipe(path), lr=lr)
                 if codec:
@@ -309,7 +312,7 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
                 print(
                     f"[compare] no recipe for {default.strategy} on {workload} ({path}): default row only", flush=True
                 )
-        if args.recipes != "only" or default.strategy == REFERENCE or tuned is None:
+        if args.recipes != "only" or default.strategy in LIGHTNING_ROWS or tuned is None:
             rows.append(default)
         if tuned is not None:
             rows.append(tuned)
@@ -319,8 +322,11 @@ def build_rows(args: argparse.Namespace, workload: str, lr: float | None, parser
 def variant_row(row: Row, items: list[str]) -> None:
     """Make ``row`` a variant ``<strategy>@KEY=VALUE[@...]`` (``selsync@vote=exact``): those init arguments for this
     row only, labelled ``selsync (vote=exact)`` so it sits beside the strategy's other rows in one table."""
-    if row.strategy == REFERENCE:
-        raise ValueError("ddp@KEY=VALUE: the ddp row is Lightning's own DDPStrategy, the reference; it has no variants")
+    if row.strategy in LIGHTNING_ROWS:
+        raise ValueError(
+            f"{row.strategy}@KEY=VALUE: the {row.strategy} row is Lightning's own strategy, a reference; it has no "
+            "variants"
+        )
     for item in items:
         if "=" not in item or not item.partition("=")[0]:
             raise ValueError(f"a row variant must look like NAME@KEY=VALUE, e.g. selsync@vote=exact; got @{item!r}")
@@ -342,6 +348,12 @@ def compress_row(row: Row, codec: str) -> None:
             f"compression suffix '+{given}' must be one of {', '.join(COMPRESSIONS)}, or topk:<fraction> with "
             "0 < fraction < 1, optionally with narrow values +int8, +int4 or +int2 (e.g. localsgd+bf16, "
             "diloco+topk:0.01, localsgd+topk:0.02+int2)"
+        )
+    if row.strategy == FSDP2:
+        raise ValueError(
+            "fsdp2+<codec>: the fsdp2 row is Lightning's own ModelParallelStrategy (FSDP2's all-gathers and "
+            "reduce-scatters as FSDP2 runs them); compare against a compressed sharded row instead (e.g. "
+            "bsp+bf16@sharded=true@replica_size=2)"
         )
     if row.strategy == REFERENCE:
         raise ValueError(

@@ -389,6 +389,30 @@ class WordTransformerLM(_LanguageModel):
         self.proj = nn.Linear(embed_dim, dim)
         self._build_core(vocab_size, seq_len, dim, heads, layers, dropout)
 
+    def configure_model(self) -> None:
+        """Shard with FSDP2 when the strategy gives a device mesh: ``fully_shard`` over ``device_mesh["shard"]``
+        (the pack's sharded replicas, ``sharded=True``) or ``device_mesh["data_parallel"]`` (Lightning's
+        ``ModelParallelStrategy``, ``compare``'s ``fsdp2`` row): the embedding, the projection, each encoder layer and
+        the output layer, then the module itself (the positions). Without a mesh (DDP, every other strategy) it does
+        nothing; a module sharded at an earlier setup (an evaluation after fit) is left as it is."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = self._device_mesh
+        if mesh is None or isinstance(self, FSDPModule):
+            return
+        names = mesh.mesh_dim_names or ()
+        if "shard" in names:
+            mesh = mesh["shard"]
+        elif "data_parallel" in names:
+            if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+                raise ValueError(
+                    "WordTransformerLM shards with FSDP2 only: use ModelParallelStrategy with tensor_parallel_size=1"
+                )
+            mesh = mesh["data_parallel"]
+        for block in (self.embed, self.proj, *self.encoder.layers, self.head):
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
     def forward(self, x: Tensor) -> Tensor:
         t = x.shape[1]
         h = self.proj(self.embed(x)) + self.pos[:t]

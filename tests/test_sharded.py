@@ -25,8 +25,11 @@ What is held here:
   plain state dict the unsharded module loads); ``trainer.validate`` after fit and from that file (the module's own
   values zeroed first) gives the whole model's loss; after a fit that ends with the replicas apart, every replica
   evaluates replica 0's model.
+* **FSDP2's own traffic counted**: ``compare``'s ``fsdp2`` row (``CountedFSDP2Strategy``) is Lightning's
+  ``ModelParallelStrategy`` bit for bit, its all-gathers and reduce-scatters counted exactly; inside a sharded
+  replica the same traffic is counted as ``intra/fsdp_*``.
 * **Refusals at setup**: a LightningModule without ``configure_model``, ``fully_shard`` over the 2-D mesh (HSDP);
-  at construction (in-process) ``sharded`` without ``replica_size``, with ``intra_link`` or ``fault_tolerance``. The
+  at construction (in-process) ``sharded`` without ``replica_size``, with ``fault_tolerance``. The
   other methods on sharded replicas, and the refusals of those that do not run sharded, are
   ``tests/test_sharded_methods.py``'s.
 """
@@ -67,6 +70,7 @@ def _suite(rank: int, out_dir: str) -> None:
 
     from lightning_sync import DiLoCoStrategy, LocalSGDStrategy
     from lightning_sync.launch import quiet_trainer_kwargs
+    from lightning_sync.strategies import CountedFSDP2Strategy
 
     out = Path(out_dir)
     res: dict = {}
@@ -186,6 +190,20 @@ def _suite(rank: int, out_dir: str) -> None:
                 now = torch.cat([p.to_local().detach().reshape(-1) for p in pl_module.parameters()])
                 self.rows[-1]["put_back"] = torch.equal(now, self._before)
 
+    class Memory(Callback):
+        """Rank's training-state bytes as compare's end record counts them (lightning_sync.benchmark.memory)."""
+
+        def __init__(self) -> None:
+            from lightning_sync.benchmark.memory import MemoryCount
+
+            self.count, self.result = MemoryCount(), {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.count.observe_grads(pl_module)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.result = self.count.record(pl_module, trainer.optimizers, trainer.strategy)
+
     def counts(strategy) -> dict:
         stats = strategy.comm_stats
         return {"bytes": dict(stats.bytes_sent), "sync_steps": strategy.step_counter.sync_steps}
@@ -193,8 +211,13 @@ def _suite(rank: int, out_dir: str) -> None:
     # 1. sharded local SGD at period 1 vs Lightning's FSDP2 over all ranks (float64)
     mp = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, timeout=TIMEOUT)
     fit("fsdp_all", mp, lambda: MLP("data_parallel"), max_steps=K)
+    # compare's fsdp2 row: the same, its collectives counted (data_parallel_size defaults to every rank)
+    memory = {name: Memory() for name in ("fsdp2_counted", "sharded_p1", "grouped_p4")}
+    tr = fit("fsdp2_counted", CountedFSDP2Strategy(timeout=TIMEOUT), lambda: MLP("data_parallel"),
+             [memory["fsdp2_counted"]], max_steps=K)  # fmt: skip
+    res["fsdp2_counted"] = {"bytes": dict(tr.strategy.comm_stats.bytes_sent), "metrics": tr.strategy.sync_metrics()}
     tr = fit("sharded_p1", LocalSGDStrategy(period=1, replica_size=SHARDS, sharded=True, timeout=TIMEOUT),
-             lambda: MLP("shard"), max_steps=K)  # fmt: skip
+             lambda: MLP("shard"), [memory["sharded_p1"]], max_steps=K)  # fmt: skip
     res["sharded_p1"] = counts(tr.strategy)
 
     # 2. sharded vs grouped (DDP inside the replica): local SGD at period 4, DiLoCo with an outer Nesterov momentum
@@ -204,8 +227,10 @@ def _suite(rank: int, out_dir: str) -> None:
     tr = fit("sharded_p4", LocalSGDStrategy(period=PERIOD, sharded=True, verify_sync=True, **kw), lambda: MLP("shard"),
              [probe, at_val], max_steps=K, val_check_interval=3, limit_val_batches=2)  # fmt: skip
     res["sharded_p4"] = {**counts(tr.strategy), "probe": probe.rows, "validation": at_val.rows}
-    tr = fit("grouped_p4", LocalSGDStrategy(period=PERIOD, **kw), lambda: Plain(None), max_steps=K)
+    tr = fit("grouped_p4", LocalSGDStrategy(period=PERIOD, **kw), lambda: Plain(None), [memory["grouped_p4"]],
+             max_steps=K)  # fmt: skip
     res["grouped_p4"] = counts(tr.strategy)
+    res["memory"] = {name: m.result for name, m in memory.items()}
     # gradient clipping of the replica's gradient (FSDP2's sharded one: its norm is the whole gradient's) at c*sqrt(R)
     clip = dict(max_steps=K, gradient_clip_val=CLIP)
     fit("sharded_clip", LocalSGDStrategy(period=PERIOD, sharded=True, **kw), lambda: MLP("shard"), **clip)
@@ -320,7 +345,72 @@ def _load(out: Path, name: str, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(out / f"{name}_rank{rank}.pt")
 
 
+def _fsdp_bytes(ranks: int, rank: int, steps: int) -> dict[str, int]:
+    """FSDP2's bytes for ``steps`` training steps of the MLP sharded over ``ranks`` ranks (this rank ``rank`` among
+    them), float64: per step every Linear layer's padded local shard all-gathered twice (before its forward, and
+    before its backward: FSDP2 reshards a non-root module after its forward), and its padded gradient
+    reduce-scattered once, which gloo runs as an all-reduce of the whole padded gradient."""
+    from lightning_sync.comm.cost import allgather_bytes
+
+    shards = [(b + ranks - 1) // ranks * (a + 1) for a, b in zip(SIZES, SIZES[1:])]  # padded shard of each layer
+    return {
+        "fsdp_all_gather": steps * sum(2 * allgather_bytes(8 * p, ranks) for p in shards),
+        "fsdp_reduce_scatter": steps * sum(gloo_ring_allreduce_bytes(ranks * p, 8, ranks, rank) for p in shards),
+    }
+
+
 # ----------------------------------------------------------------------------------------------- the references
+def test_the_counted_fsdp2_row_is_lightnings_fsdp2_bit_for_bit_with_its_bytes_counted(suite):
+    """``compare``'s ``fsdp2`` row (``CountedFSDP2Strategy``) trains as Lightning's ``ModelParallelStrategy`` over
+    all ranks, bit-identically (its collectives routed through the pack's communicators are FSDP2's own), and counts
+    FSDP2's all-gathers and reduce-scatters exactly."""
+    out, res = suite
+    for rank in range(WORLD):
+        ours, lightning = _load(out, "fsdp2_counted", rank), _load(out, "fsdp_all", rank)
+        assert ours.keys() == lightning.keys()
+        assert all(torch.equal(ours[k], lightning[k]) for k in ours), f"rank {rank}"
+        assert res[rank]["fsdp2_counted"]["bytes"] == _fsdp_bytes(WORLD, rank, K)
+        metrics = res[rank]["fsdp2_counted"]["metrics"]
+        assert metrics["lssr"] == 0 and metrics["sync_steps"] == K
+        assert metrics["bytes_sent"] == sum(_fsdp_bytes(WORLD, rank, K).values())
+
+
+def test_fsdp2s_traffic_inside_a_sharded_replica_is_counted_at_the_intra_level(suite):
+    """Sharded local SGD at period 1 (no validation): FSDP2's all-gathers and reduce-scatters over the replica's 2
+    ranks are in the rank's accounting as ``intra/fsdp_*``, the analytic bytes of the shards."""
+    _, res = suite
+    for rank in range(WORLD):
+        sent = res[rank]["sharded_p1"]["bytes"]
+        expected = _fsdp_bytes(SHARDS, rank % SHARDS, K)
+        assert {k: sent[f"intra/{k}"] for k in expected} == expected, f"rank {rank}"
+
+
+def test_memory_per_rank_counts_the_local_shards_under_fsdp2(suite):
+    """compare's memory count (``lightning_sync.benchmark.memory``): FSDP2 over 4 ranks holds each parameter's padded
+    shard (its own storage), sharded replicas of 2 ranks the padded shards in one flat buffer, grouped replicas the
+    whole model; the momentum buffers are the optimizer's view of the same parameters (FSDP2's: the unpadded local
+    shards); the gradients are FSDP2's reduce-scatter outputs (one padded buffer per module) or, grouped, the flat
+    gradient buffer."""
+    _, res = suite
+    whole = sum(a * b + b for a, b in zip(SIZES, SIZES[1:]))
+
+    def padded(ranks: int) -> int:
+        return sum((b + ranks - 1) // ranks * (a + 1) for a, b in zip(SIZES, SIZES[1:]))
+
+    def unpadded(ranks: int, rank: int) -> int:  # the rows of each layer this rank's shard holds, times (a + 1)
+        rows = [max(0, min(-(-b // ranks), b - rank * -(-b // ranks))) for b in SIZES[1:]]
+        return sum(r * (a + 1) for r, a in zip(rows, SIZES))
+
+    for rank in range(WORLD):
+        fsdp, sharded, grouped = (res[rank]["memory"][n] for n in ("fsdp2_counted", "sharded_p1", "grouped_p4"))
+        assert fsdp["params_bytes"] == 8 * padded(WORLD) and fsdp["grads_bytes"] == 8 * padded(WORLD)
+        assert fsdp["optimizer_bytes"] == 8 * unpadded(WORLD, rank) and fsdp["outer_bytes"] == 0
+        assert sharded["params_bytes"] == 8 * padded(SHARDS) and sharded["grads_bytes"] == 8 * padded(SHARDS)
+        assert sharded["optimizer_bytes"] == 8 * unpadded(SHARDS, rank % SHARDS)
+        assert grouped["params_bytes"] == grouped["grads_bytes"] == grouped["optimizer_bytes"] == 8 * whole
+        assert fsdp["peak_rss_bytes"] > 0
+
+
 def test_sharded_local_sgd_at_period_1_equals_lightnings_fsdp2_over_all_ranks(suite):
     out, res = suite
     for rank in range(WORLD):
@@ -508,8 +598,8 @@ def test_sharded_needs_replica_size_and_refuses_what_it_cannot_run_with():
 
     with pytest.raises(ValueError, match=r"sharded=True\) needs replica_size"):
         LocalSGDStrategy(sharded=True)
-    with pytest.raises(ValueError, match="intra_link=...\\) is not supported: FSDP2's collectives"):
-        LocalSGDStrategy(sharded=True, replica_size=2, intra_link="10gbit")
+    # FSDP2's collectives inside a sharded replica are counted and emulated on intra_link (no longer refused)
+    assert LocalSGDStrategy(sharded=True, replica_size=2, intra_link="10gbit").intra_link is not None
     ft = FaultTolerance(lighthouse="http://localhost:29510", replica_group=0, replica_groups=2)
     with pytest.raises(ValueError, match="fault_tolerance=...\\) is not supported"):
         DiLoCoStrategy(sharded=True, replica_size=2, fault_tolerance=ft)

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_sync.benchmark.memory import MemoryCount
 from lightning_sync.benchmark.ttt import lower_is_better
 from lightning_sync.core.validation import check_bool, check_choice, check_real
 
@@ -55,7 +56,9 @@ class TimeToTarget(Callback):
     * ``{"event": "eval", "epoch", "step", "wall_s", "eval_s", "value", "reached", "metrics", "comm"}`` at the end of
       every evaluation (not the sanity check): ``comm`` is the strategy's ``sync_metrics()`` then (bytes sent,
       blocked seconds, LSSR, ... — every strategy of the pack and ``CountedDDPStrategy`` have it);
-    * ``{"event": "end", "wall_s", "step", "reached", "comm"}`` when training ends; with ``record_steps`` also
+    * ``{"event": "end", "wall_s", "step", "reached", "comm", "memory"}`` when training ends: ``memory`` is rank 0's
+      training state in bytes (parameters, gradients, optimizer and outer-optimizer state, local shards under FSDP2)
+      and its peak resident set size (:class:`~lightning_sync.benchmark.memory.MemoryCount`); with ``record_steps`` also
       ``"step_wall_s"``: the wall time at the end of every optimizer step (entry ``i``: step ``i + 1``), what
       ``compare --project-ddp`` times DDP's steps at a slow link by (:mod:`~lightning_sync.benchmark.projection`).
 
@@ -99,6 +102,7 @@ class TimeToTarget(Callback):
         self._reached_at: float | None = None
         self._saw_batch = False
         self._file: Path | None = None
+        self._memory = MemoryCount()
 
     # ------------------------------------------------------------------ helpers
     def meets(self, value: float) -> bool:
@@ -127,6 +131,7 @@ class TimeToTarget(Callback):
         self._saw_batch = False
         self._step_walls = []
         self._last_step = trainer.global_step
+        self._memory = MemoryCount()
         if trainer.global_rank == 0:
             path = self.path or os.path.join(trainer.log_dir or trainer.default_root_dir, "time_to_target.jsonl")
             self._file = Path(path)
@@ -159,6 +164,10 @@ class TimeToTarget(Callback):
         if self.record_steps and trainer.global_step != self._last_step:  # an optimizer step ended
             self._last_step = trainer.global_step
             self._step_walls.append(time.perf_counter() - self._t0)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_rank == 0:  # the gradients exist now (what the end record's memory counts of them)
+            self._memory.observe_grads(pl_module)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_started = time.perf_counter()
@@ -205,6 +214,8 @@ class TimeToTarget(Callback):
             "reached": self._reached_at is not None,
             "comm": self._comm(trainer),
         }
+        if trainer.global_rank == 0:
+            record["memory"] = self._memory.record(pl_module, trainer.optimizers, trainer.strategy)
         if self.record_steps:
             record["step_wall_s"] = list(self._step_walls)
         self._write(trainer, record)

@@ -28,6 +28,8 @@ from lightning_sync.benchmark.recipes import Recipe
 from lightning_sync.benchmark.ttt import Outcome, lower_is_better, outcome, read_records
 
 __all__ = [
+    "FSDP2",
+    "LIGHTNING_ROWS",
     "REFERENCE",
     "TIME_TO_TARGET",
     "Row",
@@ -48,6 +50,11 @@ __all__ = [
 
 #: the reference row's name: Lightning's DDPStrategy (as :class:`~lightning_sync.strategies.CountedDDPStrategy`)
 REFERENCE = "ddp"
+#: the row of Lightning's FSDP2 over all ranks: ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``
+#: (as :class:`~lightning_sync.strategies.CountedFSDP2Strategy`), the reference a user who shards a model runs today
+FSDP2 = "fsdp2"
+#: the rows that are Lightning's own strategies, measured (no codecs, variants or recipes)
+LIGHTNING_ROWS = (REFERENCE, FSDP2)
 TIME_TO_TARGET = "lightning_sync.benchmark.TimeToTarget"
 _SYNC_STATS = "lightning_sync.callbacks.SyncStats"
 
@@ -59,17 +66,19 @@ def slug(text: str) -> str:
 
 def resolve_strategy(name: str) -> tuple[str, str, bool]:
     """``(registered name, class path, counts through SyncStats)`` of a strategy name: ``ddp`` is Lightning's
-    ``DDPStrategy`` measured (:class:`~lightning_sync.strategies.CountedDDPStrategy`); any other name must be
+    ``DDPStrategy`` measured (:class:`~lightning_sync.strategies.CountedDDPStrategy`), ``fsdp2`` Lightning's
+    ``ModelParallelStrategy`` as FSDP2 over all ranks (:class:`~lightning_sync.strategies.CountedFSDP2Strategy`:
+    the model's ``configure_model`` must shard over ``device_mesh["data_parallel"]``); any other name must be
     registered in Lightning's ``StrategyRegistry`` by a strategy of the pack (a ``SyncStrategy``), so a strategy
     added later is a row without a change here. Raises ``ValueError`` listing the names available."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_sync.strategies import CountedDDPStrategy, SyncStrategy
+    from lightning_sync.strategies import CountedDDPStrategy, CountedFSDP2Strategy, SyncStrategy
 
     key = name.strip().replace("-", "_")  # "sync-switch" as the papers write it
-    if key == REFERENCE:
-        cls: type = CountedDDPStrategy
-        return REFERENCE, f"{cls.__module__}.{cls.__qualname__}", False
+    if key in LIGHTNING_ROWS:
+        cls: type = CountedDDPStrategy if key == REFERENCE else CountedFSDP2Strategy
+        return key, f"{cls.__module__}.{cls.__qualname__}", False
     ours = sorted(
         n
         for n in StrategyRegistry.available_strategies()
@@ -78,8 +87,9 @@ def resolve_strategy(name: str) -> tuple[str, str, bool]:
     )
     if key not in ours:
         raise ValueError(
-            f"unknown or not yet implemented strategy {name!r}; available: {', '.join([REFERENCE, *ours])} "
-            f"({REFERENCE}: Lightning's DDPStrategy, the reference row)"
+            f"unknown or not yet implemented strategy {name!r}; available: {', '.join([*LIGHTNING_ROWS, *ours])} "
+            f"({REFERENCE}: Lightning's DDPStrategy, the reference row; {FSDP2}: Lightning's ModelParallelStrategy, "
+            "FSDP2 over all ranks)"
         )
     cls = StrategyRegistry[key]["strategy"]
     return key, f"{cls.__module__}.{cls.__qualname__}", True

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sync.benchmark.runs import REFERENCE, RunResult, Target
-from lightning_sync.benchmark.ttt import Summary, speedup, summarize_runs
+from lightning_sync.benchmark.ttt import MEMORY_KEYS, Summary, speedup, summarize_runs
 
 __all__ = ["COLUMNS", "MISSED", "legend", "markdown", "table_rows", "write_csv", "write_runs"]
 
@@ -69,6 +69,8 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
             eval_s=_mean([o.eval_s for o in at]),
             lssr=_mean([o.lssr for o in at]),
             best=_mean([o.best for o in ran]),
+            state_mb=_mean([o.state_bytes / 1e6 for o in ran]),
+            peak_rss_mb=_mean([o.peak_rss_bytes / 1e6 for o in ran]),
         )
         row["summary"] = s
         rows.append(row)
@@ -81,6 +83,10 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
         for row in rows:
             for key in _GROUPED:
                 row.pop(key, None)
+    if not any(_has(row, "state_mb") or _has(row, "peak_rss_mb") for row in rows):  # runs recorded before memory
+        for row in rows:
+            for key in _MEMORY:
+                row.pop(key, None)
     return rows
 
 
@@ -88,9 +94,17 @@ def table_rows(labels: Sequence[str], results: Sequence[RunResult], reference: s
 _GROUPED = ("inter_bytes", "blocked_intra_s", "blocked_inter_s")
 
 
-def _has_inter(row: dict[str, Any]) -> bool:
-    value = row.get("inter_bytes")
+#: the memory columns: only when some run recorded its memory (runs of before it have none)
+_MEMORY = ("state_mb", "peak_rss_mb")
+
+
+def _has(row: dict[str, Any], key: str) -> bool:
+    value = row.get(key)
     return value is not None and not math.isnan(value)
+
+
+def _has_inter(row: dict[str, Any]) -> bool:
+    return _has(row, "inter_bytes")
 
 
 COLUMNS = [
@@ -109,6 +123,8 @@ COLUMNS = [
     ("eval_s", "eval s"),
     ("lssr", "LSSR"),
     ("best", "best"),
+    ("state_mb", "state MB / rank"),  # these two only when the runs recorded their memory
+    ("peak_rss_mb", "peak RSS MB"),
 ]
 
 
@@ -138,7 +154,8 @@ def _fmt(key: str, value: Any, row: dict[str, Any]) -> str:
 def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The table's columns: the bytes and blocked seconds per level only when a row ran with replica groups."""
     inter = any("inter_bytes" in row for row in rows)
-    return [(key, label) for key, label in COLUMNS if key not in _GROUPED or inter]
+    memory = any(key in row for row in rows for key in _MEMORY)
+    return [(k, label) for k, label in COLUMNS if (k not in _GROUPED or inter) and (k not in _MEMORY or memory)]
 
 
 def markdown(rows: list[dict[str, Any]], target: Target, reference: str = REFERENCE) -> str:
@@ -167,6 +184,13 @@ def legend(target: Target, seeds: int, rows: list[dict[str, Any]] | None = None)
         "ddp's mean over the row's. Steps, bytes, blocked and evaluation seconds and LSSR are at the target (means "
         "over the runs that reached it); best: the best value of the metric over the run (mean over runs)."
     )
+    if rows is not None and any("state_mb" in row for row in rows):
+        text += (
+            " State MB / rank: rank 0's parameters, gradients, optimizer and outer-optimizer state (DiLoCo's global "
+            "parameters and momentum) in MB (1e6 bytes), counted exactly from their storages (local shards under "
+            "FSDP2) at the end of the run; peak RSS MB: its peak resident set size (everything else included: "
+            "communication buffers, activations, data, libraries); means over the runs."
+        )
     if rows is not None and any("inter_bytes" in row for row in rows):
         text += (
             " Bytes between replicas / replica: with replica groups (replica_size), what rank 0 — the first "
@@ -206,6 +230,7 @@ def write_runs(results: Sequence[RunResult], path: Path) -> None:
         "evaluations",
         "wall_s",
         "end_steps",
+        *MEMORY_KEYS,
         "first_batch",
         "seconds",
         "killed",
@@ -237,6 +262,7 @@ def write_runs(results: Sequence[RunResult], path: Path) -> None:
                     wall_s=o.wall_s,
                     end_steps=o.end_steps,
                     first_batch=o.first_batch,
+                    **{key: "" if math.isnan(getattr(o, key)) else getattr(o, key) for key in MEMORY_KEYS},
                 )
                 if inter:
                     for key in _GROUPED:

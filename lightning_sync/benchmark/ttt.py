@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "DROP_EXTREMES_FROM",
+    "MEMORY_KEYS",
     "Outcome",
     "Summary",
     "lower_is_better",
@@ -36,6 +37,8 @@ __all__ = [
 
 #: from this many runs on, the fastest and the slowest are dropped before the mean
 DROP_EXTREMES_FROM = 5
+#: the ``end`` record's memory counts (:mod:`~lightning_sync.benchmark.memory`), fields of :class:`Outcome`
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes", "peak_rss_bytes")
 
 
 def lower_is_better(metric: str) -> bool:
@@ -108,6 +111,19 @@ class Outcome:
     seed: int | None = None
     metric: str = ""
     target: float = math.nan
+    #: rank 0's training state in bytes at the end of the run (the ``end`` record's ``memory``:
+    #: :mod:`~lightning_sync.benchmark.memory`): parameters, gradients, optimizer and outer-optimizer state (local
+    #: shards under FSDP2), and its peak resident set size; NaN for a run that recorded none (killed, or older)
+    params_bytes: float = math.nan
+    grads_bytes: float = math.nan
+    optimizer_bytes: float = math.nan
+    outer_bytes: float = math.nan
+    peak_rss_bytes: float = math.nan
+
+    @property
+    def state_bytes(self) -> float:
+        """Parameters, gradients, optimizer and outer-optimizer state: the training state a rank holds."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.outer_bytes
 
 
 def outcome(records: Sequence[dict[str, Any]], target: float | None = None, mode: str | None = None) -> Outcome:
@@ -123,6 +139,7 @@ def outcome(records: Sequence[dict[str, Any]], target: float | None = None, mode
     evals = [r for r in records if r.get("event") == "eval"]
     end = next((r for r in records if r.get("event") == "end"), None)
     data = next((r for r in records if r.get("event") == "data"), {})
+    memory = (end or {}).get("memory") or {}
 
     def meets(value: float) -> bool:
         if value is None or math.isnan(value) or math.isnan(target):
@@ -154,6 +171,7 @@ def outcome(records: Sequence[dict[str, Any]], target: float | None = None, mode
         seed=start.get("seed"),
         metric=metric,
         target=float(target),
+        **{key: float(memory.get(key, math.nan)) for key in MEMORY_KEYS},
     )
 
 

@@ -14,6 +14,7 @@ from lightning_sync.strategies.ddp import CountedDDPStrategy
 from lightning_sync.strategies.diloco import DiLoCoStrategy
 from lightning_sync.strategies.fault_tolerance import FaultTolerance
 from lightning_sync.strategies.fedavg import FedAvgStrategy
+from lightning_sync.strategies.fsdp2 import CountedFSDP2Strategy
 from lightning_sync.strategies.localsgd import LocalSGDStrategy
 from lightning_sync.strategies.osp import OSPStrategy
 from lightning_sync.strategies.ps import ParameterServerStrategy
@@ -39,6 +40,8 @@ for _cls in STRATEGIES:
     _cls.register_strategies(StrategyRegistry)
 # Lightning's DDP with the pack's accounting: the reference row of `compare` (not a SyncStrategy, so not in STRATEGIES)
 CountedDDPStrategy.register_strategies(StrategyRegistry)
+# and Lightning's ModelParallelStrategy (FSDP2 over all ranks) with it: compare's fsdp2 row
+CountedFSDP2Strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "ADPSGDStrategy",
@@ -46,6 +49,7 @@ __all__ = [
     "ASPStrategy",
     "BSPStrategy",
     "CountedDDPStrategy",
+    "CountedFSDP2Strategy",
     "DiLoCoStrategy",
     "FaultTolerance",
     "FedAvgStrategy",

@@ -117,7 +117,8 @@ class SyncStrategy(
             parameter-server family, OSP and Sync-Switch refuse it, saying why; see
             :mod:`~lightning_sync.strategies.sharded_topology`, and what ``configure_model`` writes there).
         intra_link: emulate the link inside a replica group (a :class:`~lightning_sync.comm.LinkModel`,
-            ``"100gbit"``...; default none); needs replica groups (checked at setup).
+            ``"100gbit"``...; default none): the in-replica traffic of grouped replicas, and FSDP2's all-gathers and
+            reduce-scatters of sharded ones; needs replica groups (checked at setup).
         sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
             and the loggers) when the Trainer has none; ``False`` adds nothing.
         fault_tolerance: ``None`` (default: every rank is needed, a failure stops the run) or a
@@ -243,7 +244,7 @@ class SyncStrategy(
         link = check_link(link)
         replica_size = check_replica_size(replica_size)
         intra_link = check_link(intra_link, "intra_link")
-        self.sharded = check_sharded(self, sharded, replica_size, intra_link, fault_tolerance)
+        self.sharded = check_sharded(self, sharded, replica_size, fault_tolerance)
         check_refusal(self, replica_size=replica_size, intra_link=intra_link)
         check_bool("verify_sync", verify_sync)
         check_bool("sync_stats", sync_stats)

@@ -235,7 +235,7 @@ class ReplicaGroups:
         self.mesh = replica_mesh(s.root_device.type, self.num_replicas, self.ranks_per_replica)
         self.across = self.new_across_comm()
         for replica in range(self.num_replicas):
-            comm = s.comm.subgroup(self.replica_ranks(replica), level=INTRA)
+            comm = s.comm.subgroup(self.replica_ranks(replica), level=INTRA, link=s.intra_link)
             if comm is not None:
                 self.shards = comm
 

@@ -60,8 +60,13 @@ optimizer shards.
 evaluate replica 0's model on every replica (as DDP evaluates rank 0's: after a fit with ``average_at_end`` the
 replicas are identical), and from a checkpoint the main file's whole model, each rank taking its shard.
 ``configure_model`` runs again for each of them (Lightning calls it at every setup), so it must leave a module it
-sharded already as it is. FSDP2's own collectives inside a replica run on its process groups and are not in the
-rank's :class:`~lightning_sync.comm.CommStats`.
+sharded already as it is.
+
+**FSDP2's own collectives inside a replica** (its all-gathers and reduce-scatters, on its process groups) are routed
+through the pack's communicators (:func:`~lightning_sync.comm.fsdp_comm.count_fsdp_collectives`, installed at
+setup once ``configure_model`` has sharded the model): counted in the rank's :class:`~lightning_sync.comm.CommStats`
+as ``"intra/fsdp_all_gather"`` and ``"intra/fsdp_reduce_scatter"`` (in ``bytes_intra``), and with ``intra_link``
+delayed on the replica's emulated link (the clock of the communicator over its shards).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_sync.comm import CommHandle, Communicator
+from lightning_sync.comm.accounting import INTRA
 from lightning_sync.comm.fsdp import (
     full_tree,
     local_shards,
@@ -82,6 +88,7 @@ from lightning_sync.comm.fsdp import (
     sharding_problem,
     skip_in_module_sync,
 )
+from lightning_sync.comm.fsdp_comm import count_fsdp_collectives
 from lightning_sync.core.validation import check_bool
 from lightning_sync.strategies.topology import InFlight, Topology
 
@@ -110,10 +117,10 @@ CONFIGURE_MODEL = (
 )
 
 
-def check_sharded(strategy: Any, sharded: Any, replica_size: Any, intra_link: Any, fault_tolerance: Any) -> bool:
+def check_sharded(strategy: Any, sharded: Any, replica_size: Any, fault_tolerance: Any) -> bool:
     """At construction: ``sharded`` is a bool; ``True`` needs ``replica_size`` and a method that runs sharded (its
-    ``sharded_refusal`` is ``None``, and it runs with replica groups) and refuses ``intra_link`` and
-    ``fault_tolerance``, saying why and what to use instead."""
+    ``sharded_refusal`` is ``None``, and it runs with replica groups) and refuses ``fault_tolerance``, saying why and
+    what to use instead."""
     check_bool("sharded", sharded)
     if not sharded:
         return False
@@ -134,15 +141,12 @@ def check_sharded(strategy: Any, sharded: Any, replica_size: Any, intra_link: An
             f"{name}(sharded=True) needs replica_size: the ranks one sharded replica spans, 'node' (the ranks of one "
             "node) or an integer (that many consecutive ranks); the model is sharded with FSDP2 over them"
         )
-    why = {
-        "intra_link": "FSDP2's collectives inside a sharded replica run on its own process groups, which the link "
-        "emulation does not delay yet; leave intra_link=None (link still emulates the link between replicas)",
-        "fault_tolerance": "fault-tolerant replica groups of sharded replicas are not built yet; use "
-        "fault_tolerance with sharded=False (DDP inside each replica), or sharded replicas without fault_tolerance",
-    }
-    for argument, value in {"intra_link": intra_link, "fault_tolerance": fault_tolerance}.items():
-        if value is not None:
-            raise ValueError(f"{name}(sharded=True, {argument}=...) is not supported: {why[argument]}")
+    if fault_tolerance is not None:
+        raise ValueError(
+            f"{name}(sharded=True, fault_tolerance=...) is not supported: fault-tolerant replica groups of sharded "
+            "replicas are not built yet; use fault_tolerance with sharded=False (DDP inside each replica), or sharded "
+            "replicas without fault_tolerance"
+        )
     return True
 
 
@@ -277,6 +281,11 @@ class ShardedTopology(Topology):
         # evaluating (validate/test/predict): Lightning broadcasts rank 0's module to every rank first; the shards
         # are each rank's own, so it skips them and start() makes the replicas identical shard by shard instead
         skip_in_module_sync(module)
+        # FSDP2's all-gathers and reduce-scatters inside the replica: counted "intra/fsdp_*", on intra_link's clock
+        shards = self.strategy.replicas.shards
+        stats = shards.stats if shards is not None else self.strategy.comm_stats.level(INTRA)
+        clock = shards.clock if shards is not None else None
+        count_fsdp_collectives(module, stats, link=self.strategy.intra_link, clock=clock)
 
     def start(self, trainer: Any) -> None:
         """Evaluating outside fit: every replica takes replica 0's shards (as DDP evaluates rank 0's model; after a
