@@ -323,8 +323,9 @@ def variant_row(row: Row, items: list[str]) -> None:
     """Make ``row`` a variant ``<strategy>@KEY=VALUE[@...]`` (``selsync@vote=exact``): those init arguments for this
     row only, labelled ``selsync (vote=exact)`` so it sits beside the strategy's other rows in one table."""
     if row.strategy in LIGHTNING_ROWS:
+        own = "DDPStrategy" if row.strategy == REFERENCE else "ModelParallelStrategy (FSDP2 over all ranks)"
         raise ValueError(
-            f"{row.strategy}@KEY=VALUE: the {row.strategy} row is Lightning's own strategy, a reference; it has no "
+            f"{row.strategy}@KEY=VALUE: the {row.strategy} row is Lightning's own {own}, the reference; it has no "
             "variants"
         )
     for item in items:

@@ -113,6 +113,41 @@ def test_strategy_names_include_sync_switch_as_the_papers_write_it_and_ddp():
         _strategy_class_path("sync-swich")
 
 
+def test_the_fsdp2_row_is_lightnings_fsdp2_on_words_with_its_bytes_and_memory_per_rank(tmp_path):
+    """``--strategies ddp,fsdp2`` on ``words`` (2 processes, 2 steps): the fsdp2 row is Lightning's
+    ``ModelParallelStrategy`` over both ranks (``CountedFSDP2Strategy``, the words model sharding itself in
+    ``configure_model``); FSDP2 equals DDP on the validation perplexity to float rounding; its reduce-scatters send
+    what DDP's all-reduces send (gloo's reduce-scatter is an all-reduce of the whole gradient: with 2 ranks and
+    every dim 0 even, no padding), its all-gathers come on top; each rank holds half the parameters, gradients and
+    momentum of DDP's, and the table shows the memory per rank. Codecs and variants of the row are refused."""
+    from lightning_sync.compare import _strategy_class_path, build_rows, parse_args
+
+    assert _strategy_class_path("fsdp2") == "lightning_sync.strategies.fsdp2.CountedFSDP2Strategy"
+    args, _, parser = parse_args(["--strategies", "fsdp2+bf16,fsdp2@x=1"])
+    codec, variant = build_rows(args, "words", 0.1, parser)
+    assert (
+        "Lightning's own ModelParallelStrategy" in codec.error and "the reference; it has no variants" in variant.error
+    )
+
+    out = tmp_path / "out"
+    argv = ["--workload", "words", "--strategies", "ddp,fsdp2", "--devices", "2", "--seeds", "1", "--out", str(out)]
+    result = compare_main(
+        argv + ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"]
+    )
+    ddp, fsdp2 = (read_records(out / "none" / name / "seed0" / "time_to_target.jsonl") for name in ("ddp", "fsdp2"))
+    assert fsdp2[0]["strategy"] == "CountedFSDP2Strategy" and fsdp2[-1]["step"] == ddp[-1]["step"] == 2
+    assert fsdp2[-2]["value"] == pytest.approx(ddp[-2]["value"], rel=1e-5)
+    comm_ddp, comm_fsdp = ddp[-1]["comm"], fsdp2[-1]["comm"]
+    assert comm_fsdp["bytes_fsdp_reduce_scatter"] == comm_ddp["bytes_grads"] > 0
+    assert comm_fsdp["bytes_sent"] == comm_fsdp["bytes_fsdp_reduce_scatter"] + comm_fsdp["bytes_fsdp_all_gather"]
+    mem_ddp, mem_fsdp = ddp[-1]["memory"], fsdp2[-1]["memory"]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert 2 * mem_fsdp[key] == mem_ddp[key] > 0, key
+    header = (out / "none" / "table.md").read_text().splitlines()[0]
+    assert "state MB / rank" in header and "peak RSS MB" in header
+    assert [row["method"] for row in result["tables"]["none"]] == ["ddp", "fsdp2"]
+
+
 def test_recipes_make_tuned_rows_next_to_the_default_rows(tmp_path):
     from lightning_sync.benchmark.recipes import Recipe, write_recipe
     from lightning_sync.compare import build_rows, parse_args

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sync.comm.fsdp import fsdp_params
+
 __all__ = ["MemoryCount", "peak_rss_bytes", "storage_bytes"]
 
 
@@ -61,6 +63,15 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def _parameters(module: torch.nn.Module) -> list[Tensor]:
+    """The module's parameters as held between steps: FSDP2's sharded parameter (``DTensor``) of each parameter it
+    manages, whatever its state now (a module left unsharded by a forward without backward, e.g. FSDP2's root after
+    validation, registers its unsharded tensors), and every other parameter as it is."""
+    managed = fsdp_params(module).values()
+    replaced = {id(getattr(fp, "_unsharded_param", None)) for fp in managed} | {id(fp.sharded_param) for fp in managed}
+    return [fp.sharded_param for fp in managed] + [p for p in module.parameters() if id(p) not in replaced]
+
+
 def _optimizer_tensors(optimizers: Iterable[Any]) -> list[Tensor]:
     found: list[Tensor] = []
     for opt in optimizers:
@@ -85,12 +96,12 @@ class MemoryCount:
         self.grads_bytes = 0
 
     def observe_grads(self, module: torch.nn.Module) -> None:
-        self.grads_bytes = max(self.grads_bytes, storage_bytes(p.grad for p in module.parameters()))
+        self.grads_bytes = max(self.grads_bytes, storage_bytes(p.grad for p in _parameters(module)))
 
     def record(self, module: torch.nn.Module, optimizers: Iterable[Any], strategy: Any) -> dict[str, int]:
         """The counts now, with the gradients' largest seen."""
         return {
-            "params_bytes": storage_bytes(module.parameters()),
+            "params_bytes": storage_bytes(_parameters(module)),
             "grads_bytes": self.grads_bytes,
             "optimizer_bytes": storage_bytes(_optimizer_tensors(optimizers)),
             "outer_bytes": storage_bytes(_outer_tensors(strategy)),
