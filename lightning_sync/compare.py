@@ -61,6 +61,10 @@ WORKLOADS = {
         "compare_words.yaml",
         "a word-level Transformer LM on Python's help text, embedding-heavy: communication-bound (perplexity)",
     ),
+    "words_wide": (
+        "compare_words_wide.yaml",
+        "words 4.3x wider (160 MB: embedding 8192, width 384), so that sharding it matters (perplexity)",
+    ),
 }
 
 
