@@ -106,3 +106,26 @@ def test_bytes_counted_are_the_analytic_all_gathers_and_reduce_scatters_of_the_s
         scatter = sum(gloo_ring_allreduce_bytes(n * p, 4, n, me) for p in r["padded"]) * STEPS
         assert r["sent"] == {"fsdp_all_gather": gather, "fsdp_reduce_scatter": scatter}, f"rank {rank}"
         assert r["sent_intra"] == {"intra/fsdp_all_gather": gather, "intra/fsdp_reduce_scatter": scatter}
+
+
+def test_reduce_scatter_bytes_are_gloos_all_reduce_of_the_input_and_the_ring_elsewhere():
+    from lightning_sync.comm.cost import reduce_scatter_bytes
+
+    for n, rank in ((2, 0), (4, 3), (3, 1)):
+        assert reduce_scatter_bytes(1000, 4, n, rank, "gloo") == gloo_ring_allreduce_bytes(1000, 4, n, rank)
+    assert reduce_scatter_bytes(1000, 4, 4, 0, "nccl") == 3000  # (N - 1) / N of the 4000 bytes
+    assert reduce_scatter_bytes(1000, 4, 1, 0, "nccl") == reduce_scatter_bytes(1000, 4, 1, 0, "gloo") == 0
+
+
+def test_the_fsdp2_row_checks_its_arguments_at_construction():
+    from lightning_sync.strategies import CountedFSDP2Strategy
+
+    strategy = CountedFSDP2Strategy(link="1gbit,1ms")
+    assert strategy.link is not None and strategy._data_parallel_size == "all"
+    assert strategy._tensor_parallel_size == 1 and strategy.comm_stats.total_bytes() == 0
+    with pytest.raises(ValueError, match="link must be"):
+        CountedFSDP2Strategy(link="fast")
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        CountedFSDP2Strategy(data_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        CountedFSDP2Strategy(tensor_parallel_size=True)
