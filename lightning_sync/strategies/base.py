@@ -95,15 +95,11 @@ class SyncStrategy(
             :class:`~lightning_sync.strategies.injection.DataInjector`). Available on every strategy but the
             parameter-server ones.
         injection_seed: seed of the sharing ranks' draw, an integer >= 0.
-        compression: what the method's syncs send: ``None`` (the data's own dtype), ``"bf16"`` or ``"fp16"`` (2
-            bytes per element), ``"int8"``, ``"int4"`` or ``"int2"`` (codes in [-127, 127], [-7, 7] or [-1, 1]: 1,
-            0.5 or 0.25 byte per element plus a 4-byte scale per 256, with error feedback), or ``"topk:<fraction>"``
-            (each chunk's largest entries with their indices, 8 bytes an entry, with error feedback; parameter
-            averaging only; ``"topk:<fraction>+int2"``, ``+int4``, ``+int8``: the values quantised, 4.27, 4.52 or
-            5.02 bytes an entry): parameter averaging (as the change since the last average), gradient averaging, OSP's
-            two stages and the parameter server's pushes and pulls (:mod:`lightning_sync.comm.compression`). Sums are
-            taken in fp32. Control collectives (votes, statistics, SIGTERM flags), buffers averaged with gradients,
-            the setup broadcast, checkpoints and the parameter server's meeting-point gathers stay exact.
+        compression: what the method's syncs send: ``None`` (the data's own dtype), ``"bf16"``, ``"fp16"``,
+            ``"int8"``, ``"int4"``, ``"int2"`` (with error feedback) or ``"topk:<fraction>"`` (``+int2``/``+int4``/
+            ``+int8``; parameter averaging only): the format table, bytes per element and who takes which are in
+            :mod:`lightning_sync.comm.compression`. Sums are taken in fp32; control collectives, buffers, the setup
+            broadcast and checkpoints stay exact.
         replica_size: what one replica is: ``None`` (default: every rank, the flat behaviour), ``"node"`` (the ranks
             of one node, Lightning's ``devices``) or an integer >= 1 (that many consecutive global ranks; it must
             divide the world size, checked at setup). With replicas of several ranks, the ranks of a replica average
