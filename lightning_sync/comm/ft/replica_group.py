@@ -104,8 +104,10 @@ class ReplicaGroupComm:
         self.pg = CountedProcessGroupGloo(stats, clock, timeout)
         transport = PGTransport(self.pg, timeout=timeout, device=torch.device("cpu"))
         kwargs: dict[str, Any] = {} if hostname is None else {"hostname": hostname}
-        self.store = None if store_port is not None else TCPStore(
-            store_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout
+        self.store = (
+            None
+            if store_port is not None
+            else TCPStore(store_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         )
         #: the port of the group's store (the one this membership serves, or its rank 0's)
         self.store_port = int(self.store.port) if self.store is not None else int(store_port)
