@@ -27,7 +27,10 @@ momentum) lives on the local shard as well. The flat state packs the local shard
   ranks (:meth:`ShardedTopology.open_side_channel`); a fragment is a range of each rank's local shard.
 
 The parameter-server family (ASP, SSP, ALADDIN), OSP and Sync-Switch refuse ``sharded=True`` at construction, each
-saying why (``sharded_refusal``) and naming the methods that run sharded.
+saying why (``sharded_refusal``) and naming the methods that run sharded. **Fault-tolerant** sharded groups
+(``fault_tolerance=...``): local SGD and DiLoCo, this topology as the group's own layout inside
+:class:`~lightning_sync.strategies.ft_topology.FaultTolerantTopology` (every rank a member of its shard index's
+torchft quorum); the other methods refuse it (``sharded_fault_tolerance_refusal``).
 
 **What the LightningModule writes**, as for Lightning's ``ModelParallelStrategy``: its ``configure_model`` shards over
 ``self.device_mesh["shard"]`` (the strategy sets ``device_mesh``, a ``("replicate", "shard")`` mesh of replicas x
