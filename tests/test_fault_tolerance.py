@@ -3,7 +3,8 @@
 Real processes, a real lighthouse, a real SIGKILL: the test starts ``lightning-sync lighthouse`` on a free port and
 three replica groups (``tests/ft_worker.py``, one process each, its own session and rendezvous port), kills one with
 SIGKILL in the middle of an epoch and, in the first case, starts it again — with local SGD, streaming DiLoCo, FedAvg
-and ADPSGD, and with groups of two processes each (a node as one replica: the whole node killed). Asserted:
+and ADPSGD, with groups of two processes each (a node as one replica: the whole node killed), and with two sharded
+groups of two processes (sharded DiLoCo: every rank a member of its shard index's quorum). Asserted:
 
 * the survivors never restart (one process each, exit status 0) and keep stepping: their step counters go 1, 2, ...
   to the end with no gap, and they sync with two replica groups while the third is gone;
@@ -14,7 +15,9 @@ and ADPSGD, and with groups of two processes each (a node as one replica: the wh
 * a group that never comes back: the others finish with one replica group fewer;
 * the lighthouse unreachable at start: a clear error naming it, not a hang (on both processes of a two-process group);
   a strategy or argument that cannot run fault-tolerant, two processes that are not one replica, or a replica group
-  configured differently from its peers: an error saying why.
+  configured differently from its peers, sharded groups with different shard counts: an error saying why;
+* sharded groups: every shard ends bit-identical to the same shard of the other group, and each rank sent its own
+  shard's bytes between the groups.
 
 Nothing depends on the machine's speed: the survivors step slowly (a file the workers look at) until the restarted
 group has rejoined, every wait is bounded generously and fails the test as a hang, and no duration is asserted.
@@ -273,17 +276,26 @@ def test_a_replica_group_of_two_processes_is_one_replica_that_survives_losing_a_
 
 
 @pytest.mark.timeout(3 * LIMIT_S)
-def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(run_dir):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "diloco",
+        pytest.param("diloco_streaming", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1")),
+    ],
+)
+def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(strategy, run_dir):
     """2 replica groups of 2 processes, each group's model sharded with FSDP2 over its processes (sharded DiLoCo with
     outer Nesterov momentum): every rank is a member of its shard index's quorum (a torchft Manager per rank), so each
     rank averages its own shard with the same shard of the other group. The whole group 1 is killed and started again;
     everything asserted for unsharded groups holds (the survivor never restarts and has no step gap, the restarted
     group resumes at one of its steps, bit-identical after its first sync, and from its checkpoint), and rank by rank:
-    every shard ends bit-identical to the same shard of the other group, and each rank sent its own shard's bytes."""
-    run = run_dir("diloco", groups=2)
+    every shard ends bit-identical to the same shard of the other group, and each rank sent its own shard's bytes.
+    ``LIGHTNING_SYNC_SLOW_TESTS=1`` adds streaming DiLoCo (2 fragments of each rank's shard, each in flight for a
+    step over its shard index's quorum)."""
+    run = run_dir(strategy, groups=2)
     # slower survivors until the rejoin: a group of two processes takes long to start on a loaded machine
     results = _kill_restart_and_check(
-        run, RUNS["diloco"]["max_steps"], procs_per_group=2, kill_at=20, sharded=True, slow=0.5
+        run, RUNS[strategy]["max_steps"], procs_per_group=2, kill_at=20, sharded=True, slow=0.5
     )
     leaders = {0: results[0]["pid"], 1: results[1]["pid"]}  # group 1: the restarted run's first process
     shards = {}
@@ -292,6 +304,8 @@ def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(r
         (shards[g],) = [f for f in files if f["leader"] == leaders[g]]
     assert shards[0]["checksum"] == shards[1]["checksum"], "shard 1 differs between the replica groups"
     assert shards[0]["checksum"] != results[0]["checksum"]  # each rank holds its own shard, not the whole model
+    if strategy == "diloco_streaming":  # its fragments' bytes: a range of each shard per sync
+        return
     for rank0, rank1 in ((results[0], shards[0]), (results[1], shards[1])):
         assert rank0["world_size"] == 2 and rank1["flat_bytes"] > 0
         # between groups every rank sends its own shard: k all-reduces over 2 groups of its shard (exactly its bytes
