@@ -294,8 +294,9 @@ def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(s
     step over its shard index's quorum)."""
     run = run_dir(strategy, groups=2)
     # slower survivors until the rejoin: a group of two processes takes long to start on a loaded machine
+    args = {**RUNS[strategy]["args"], "verify_sync": True}  # every sync: each shard checked across the groups
     results = _kill_restart_and_check(
-        run, RUNS[strategy]["max_steps"], procs_per_group=2, kill_at=20, sharded=True, slow=0.5
+        run, RUNS[strategy]["max_steps"], procs_per_group=2, kill_at=20, sharded=True, slow=0.5, args=args
     )
     leaders = {0: results[0]["pid"], 1: results[1]["pid"]}  # group 1: the restarted run's first process
     shards = {}
