@@ -280,7 +280,10 @@ def test_a_replica_group_of_two_processes_is_one_replica_that_survives_losing_a_
     "strategy",
     [
         "diloco",
-        pytest.param("diloco_streaming", marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1")),
+        *(
+            pytest.param(name, marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))
+            for name in ("diloco_streaming", "localsgd")
+        ),
     ],
 )
 def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(strategy, run_dir):
@@ -291,7 +294,7 @@ def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(s
     group resumes at one of its steps, bit-identical after its first sync, and from its checkpoint), and rank by rank:
     every shard ends bit-identical to the same shard of the other group, and each rank sent its own shard's bytes.
     ``LIGHTNING_SYNC_SLOW_TESTS=1`` adds streaming DiLoCo (2 fragments of each rank's shard, each in flight for a
-    step over its shard index's quorum)."""
+    step over its shard index's quorum) and local SGD."""
     run = run_dir(strategy, groups=2)
     # slower survivors until the rejoin: a group of two processes takes long to start on a loaded machine
     args = {**RUNS[strategy]["args"], "verify_sync": True}  # every sync: each shard checked across the groups
