@@ -27,6 +27,14 @@ the table's numbers.
     python benchmarks/fault_tolerance.py --seeds 3                                  # the measurement (long)
     python benchmarks/fault_tolerance.py --seeds 1 --max-epochs 3 --limit-train-batches 6 --target 1e9   # a smoke test
     python benchmarks/fault_tolerance.py --rows plain,ft --seeds 3 --max-epochs 4 --target 0  # cost, same steps
+    python benchmarks/fault_tolerance.py --strategy diloco --sharded 2 --rows plain,ft,ft_kill   # sharded groups
+
+``--sharded N``: every replica is N processes whose model is sharded with FSDP2 over them (``sharded=True,
+replica_size="node"``; the word model's ``configure_model`` shards each encoder layer, the embedding, the projection
+and the output layer, then the rest with the root): ``plain`` is one world of ``--groups`` x N processes,
+``ft``/``ft_kill`` are ``--groups`` jobs of N processes each (every rank a member of its shard index's torchft
+quorum), and ``ft_kill`` kills the whole group 1 (its session: every process of it). The DDP rows have no sharded
+counterpart here (Lightning's FSDP2 stopped and resumed would be the reference) and are refused with it.
 """
 
 from __future__ import annotations
@@ -79,6 +87,8 @@ def worker(cfg: dict[str, Any]) -> None:
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.local_rank:  # a sharded replica's first process speaks for it
+                return
             with steps_file.open("a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "step": trainer.global_step, "time": time.time()}) + "\n")
 
@@ -92,12 +102,16 @@ def worker(cfg: dict[str, Any]) -> None:
 
     config = yaml.safe_load(packaged_config("words").read_text())
 
-    def build(entry: dict[str, Any]) -> Any:
+    def build(entry: dict[str, Any], shard: bool = False) -> Any:
         module, _, name = entry["class_path"].rpartition(".")
-        return getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
+        cls = getattr(importlib.import_module(module), name)
+        return (_sharded(cls) if shard else cls)(**(entry.get("init_args") or {}))
 
     timeout = timedelta(seconds=cfg["timeout"])
     kwargs: dict[str, Any] = dict(link=cfg["link"], timeout=timeout, sync_stats=False)
+    shards = cfg.get("sharded") or 1  # processes per replica, the model sharded with FSDP2 over them
+    if shards > 1:
+        kwargs.update(sharded=True, replica_size="node")
     if cfg["kind"] == "ft":
         kwargs["fault_tolerance"] = FaultTolerance(
             lighthouse=cfg["lighthouse"],
@@ -124,7 +138,7 @@ def worker(cfg: dict[str, Any]) -> None:
     pl.seed_everything(cfg["seed"], verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=shards,
         num_nodes=1 if cfg["kind"] == "ft" else cfg["world"],
         strategy=strategy,
         max_epochs=cfg["max_epochs"],
@@ -133,7 +147,27 @@ def worker(cfg: dict[str, Any]) -> None:
         callbacks=callbacks,
         **quiet_trainer_kwargs(enable_checkpointing=bool(cfg.get("ckpt_every"))),
     )
-    trainer.fit(build(config["model"]), build(config["data"]), ckpt_path=cfg.get("resume"))
+    trainer.fit(build(config["model"], shard=shards > 1), build(config["data"]), ckpt_path=cfg.get("resume"))
+
+
+def _sharded(cls: type) -> type:
+    """``cls`` (the word model) with a ``configure_model`` that shards it with FSDP2 over the replica's ranks."""
+
+    class Sharded(cls):  # type: ignore[misc, valid-type]
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if isinstance(self.head, FSDPModule):  # sharded at an earlier setup
+                return
+            mesh = self.device_mesh["shard"]
+            for layer in self.encoder.layers:
+                fully_shard(layer, mesh=mesh)
+            for part in (self.embed, self.proj, self.head):
+                fully_shard(part, mesh=mesh)
+            fully_shard(self, mesh=mesh)  # the rest (the positional embedding, the final norm) with the root
+
+    Sharded.__name__ = Sharded.__qualname__ = f"Sharded{cls.__name__}"
+    return Sharded
 
 
 # ----------------------------------------------------------------------------------------------- one row
@@ -160,6 +194,8 @@ class Row:
         env["OMP_NUM_THREADS"] = str(self.args.threads)
         if self.kind == "ft":
             return dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        if self.args.sharded > 1:  # a node per replica: Lightning starts its other processes
+            return dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), NODE_RANK=str(index))
         world = self.args.groups
         return dict(
             env,
@@ -205,6 +241,7 @@ class Row:
             dir=str(self.dir),
             lighthouse=getattr(self, "url", None),
             resume=resume,
+            sharded=a.sharded,
         )
         if self.strategy == "ddp":
             cfg.update(ckpt_every=a.ckpt_every, ckpt_dir=str(self.dir / "ckpt"))
@@ -268,7 +305,10 @@ def run_row(name: str, seed: int, args: argparse.Namespace, kill_step: int | Non
             if kill_step is not None and not killed:
                 mine = row.steps(f"{who}1")
                 if mine and mine[-1]["step"] >= kill_step:
-                    os.kill(row.procs[1].pid, signal.SIGKILL)
+                    if args.sharded > 1:  # the whole sharded group: every process of its session
+                        os.killpg(row.procs[1].pid, signal.SIGKILL)
+                    else:
+                        os.kill(row.procs[1].pid, signal.SIGKILL)
                     row.procs[1].wait()
                     row.events["kill"] = time.time()
                     killed = True
@@ -384,9 +424,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the method's arguments (default for localsgd: period=5 offset=4, a sync ending every epoch of 25; "
         "for diloco: sync_every=5)",
     )
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"which rows, in order (default {','.join(ROWS)})")
+    parser.add_argument(
+        "--rows", default=None, help=f"which rows, in order (default {','.join(ROWS)}; with --sharded plain,ft,ft_kill)"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--groups", type=int, default=3, help="replicas (replica groups, or DDP ranks)")
+    parser.add_argument(
+        "--sharded", type=int, default=1, metavar="N", help="processes per replica, the model sharded over them"
+    )
     parser.add_argument("--link", default="1gbit,1ms")
     parser.add_argument("--kill-at", type=float, default=0.3, help="fraction of the uninterrupted run's steps")
     parser.add_argument("--max-epochs", type=int, default=12)
@@ -399,11 +444,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--row-timeout", type=int, default=3600, help="give up a row after this (s)")
     parser.add_argument("--out", default="runs/fault_tolerance")
     args = parser.parse_args(argv)
+    if args.rows is None:
+        args.rows = ",".join(ROWS if args.sharded <= 1 else ("plain", "ft", "ft_kill"))
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS]
     if bad:
         parser.error(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
     args.rows = rows
+    if args.sharded < 1:
+        parser.error(f"--sharded must be >= 1, got {args.sharded}")
+    if args.sharded > 1 and (args.strategy == "bsp" or any(r.startswith("ddp") for r in rows)):
+        parser.error(
+            "--sharded runs local SGD or DiLoCo with the rows plain, ft, ft_kill: sharded fault-tolerant BSP is not "
+            "built, and Lightning's DDP has no sharded counterpart here (pass --rows plain,ft,ft_kill)"
+        )
     defaults = {"localsgd": {"period": 5, "offset": 4}, "diloco": {"sync_every": 5}, "bsp": {}}[args.strategy]
     for item in args.strategy_arg:
         key, eq, value = item.partition("=")
@@ -437,7 +491,9 @@ def main(argv: list[str] | None = None) -> None:
             (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = table(results, args.rows)
     print(
-        f"\n{args.strategy} {args.strategy_args}, {args.groups} replicas, link {args.link}, target ppl "
+        f"\n{args.strategy} {args.strategy_args}, {args.groups} replicas"
+        + (f" of {args.sharded} shards" if args.sharded > 1 else "")
+        + f", link {args.link}, target ppl "
         f"{args.target}, kill at {args.kill_at:.0%}\n"
     )
     print(text)

@@ -2,7 +2,8 @@
 
 Started as its own process (``python tests/ft_worker.py '<json>'``) with its own ``MASTER_PORT``: a replica group is a
 Lightning job of one process, or with ``"procs": n`` of n processes (Lightning starts the others; ``replica_size=
-"node"``: one replica, exact data parallelism inside), that meets the other groups only through torchft (its first
+"node"``: one replica, exact data parallelism inside; with ``"sharded": true`` the model sharded with FSDP2 over
+them, each rank a member of its shard index's quorum), that meets the other groups only through torchft (its first
 process speaks for the group: it writes the files below). Trains
 :class:`~lightning_sync.models.DigitsCNN` on :class:`~lightning_sync.data.DigitsDataModule` with local SGD, DiLoCo
 (plain or streaming), FedAvg or ADPSGD and ``fault_tolerance=FaultTolerance(...)``, and writes, in ``out``:
@@ -12,6 +13,7 @@ process speaks for the group: it writes the files below). Trains
   step applied) and whether the sync committed);
 * ``result_g<group>_<pid>.json`` when fit returns: the final model's validation accuracy (the whole validation
   split), steps, strategy state, communication totals and fault-tolerance counters;
+* sharded, from each other rank: ``shard_g<group>_r<rank>_<pid>.json`` (its local shards' checksum, its bytes);
 * with ``"save"``: a checkpoint of the run's end (``trainer.save_checkpoint`` while the strategy is still set up).
 
 While the file ``<out>/slow`` exists every step sleeps ``slow`` seconds (four times as long in the last third of the
@@ -73,6 +75,9 @@ def main() -> None:
     procs = cfg.get("procs", 1)  # processes in this replica group: one replica, exact data parallelism inside
     if procs > 1:
         kwargs["replica_size"] = cfg.get("replica_size", "node")
+    sharded = bool(cfg.get("sharded"))  # the group's model sharded with FSDP2 over its processes
+    if sharded:
+        kwargs.update(sharded=True, replica_size="node")
     strategy = classes[cfg["strategy"]](fault_tolerance=ft, sync_stats=False, **kwargs)
     streaming = isinstance(strategy, DiLoCoStrategy) and strategy.delay > 0
 
@@ -84,6 +89,7 @@ def main() -> None:
 
         def on_train_start(self, trainer, pl_module) -> None:  # after a resume or a heal: counting goes on from here
             s = trainer.strategy
+            self.flat_bytes = sum(t.numel() * t.element_size() for t in s.flat.state_tensors())  # what a sync sends
             self.synced, self.failed, self.ft_step_at_start = (
                 s.step_counter.sync_steps,
                 s.topology.failed_syncs,
@@ -122,8 +128,17 @@ def main() -> None:
             if cfg.get("save"):
                 trainer.save_checkpoint(cfg["save"])
 
+    class ShardedDigitsCNN(DigitsCNN):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if isinstance(self.head, FSDPModule):
+                return
+            for part in (self.features, self.head):
+                fully_shard(part, mesh=self.device_mesh["shard"])
+
     pl.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = DigitsCNN()
+    model = ShardedDigitsCNN() if sharded else DigitsCNN()
     data = DigitsDataModule(batch_size=32)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -137,14 +152,29 @@ def main() -> None:
     )
     start = time.time()
     trainer.fit(model, data, ckpt_path=cfg.get("resume"))
-    if trainer.global_rank:
-        return
     model.eval()
     correct = total = 0
-    with torch.no_grad():
+    with torch.no_grad():  # sharded: every rank (FSDP2 all-gathers the shards inside the group)
         for x, y in data.val_dataloader():
             correct += int((model(x).argmax(1) == y).sum())
             total += len(y)
+    from torch.distributed.tensor import DTensor
+
+    # this rank's model (sharded: its local shards), to compare with the same rank of the other groups
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in model.state_dict().values()]
+    checksum = hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in local)).hexdigest()
+    if trainer.global_rank:
+        if sharded:
+            shard = {
+                "pid": os.getpid(),
+                "leader": os.getppid(),  # Lightning started this rank from the group's first process
+                "rank": trainer.global_rank,
+                "checksum": checksum,
+                "bytes": dict(strategy.comm_stats.bytes_sent),
+                "flat_bytes": progress_cb.flat_bytes,
+            }
+            (out / f"shard_g{group}_r{trainer.global_rank}_{os.getpid()}.json").write_text(json.dumps(shard))
+        return
     result = {
         "pid": os.getpid(),
         "group": group,
@@ -159,7 +189,8 @@ def main() -> None:
         "metrics": strategy.sync_metrics(),
         "bytes": dict(strategy.comm_stats.bytes_sent),
         "ops": dict(strategy.comm_stats.ops),
-        "checksum": hashlib.sha1(b"".join(t.numpy().tobytes() for t in model.state_dict().values())).hexdigest(),
+        "checksum": checksum,
+        "flat_bytes": progress_cb.flat_bytes,
     }
     (out / f"result_g{group}_{os.getpid()}.json").write_text(json.dumps(result, indent=1))
     print(f"replica group {group}: fit returned", file=sys.stderr, flush=True)

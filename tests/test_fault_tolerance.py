@@ -3,7 +3,8 @@
 Real processes, a real lighthouse, a real SIGKILL: the test starts ``lightning-sync lighthouse`` on a free port and
 three replica groups (``tests/ft_worker.py``, one process each, its own session and rendezvous port), kills one with
 SIGKILL in the middle of an epoch and, in the first case, starts it again — with local SGD, streaming DiLoCo, FedAvg
-and ADPSGD, and with groups of two processes each (a node as one replica: the whole node killed). Asserted:
+and ADPSGD, with groups of two processes each (a node as one replica: the whole node killed), and with two sharded
+groups of two processes (sharded DiLoCo: every rank a member of its shard index's quorum). Asserted:
 
 * the survivors never restart (one process each, exit status 0) and keep stepping: their step counters go 1, 2, ...
   to the end with no gap, and they sync with two replica groups while the third is gone;
@@ -14,7 +15,9 @@ and ADPSGD, and with groups of two processes each (a node as one replica: the wh
 * a group that never comes back: the others finish with one replica group fewer;
 * the lighthouse unreachable at start: a clear error naming it, not a hang (on both processes of a two-process group);
   a strategy or argument that cannot run fault-tolerant, two processes that are not one replica, or a replica group
-  configured differently from its peers: an error saying why.
+  configured differently from its peers, sharded groups with different shard counts: an error saying why;
+* sharded groups: every shard ends bit-identical to the same shard of the other group, and each rank sent its own
+  shard's bytes between the groups.
 
 Nothing depends on the machine's speed: the survivors step slowly (a file the workers look at) until the restarted
 group has rejoined, every wait is bounded generously and fails the test as a hang, and no duration is asserted.
@@ -85,9 +88,10 @@ def _env() -> dict[str, str]:
 class Run:
     """A lighthouse and replica-group processes in ``out``; everything it started is killed at the end."""
 
-    def __init__(self, out: Path, strategy: str) -> None:
+    def __init__(self, out: Path, strategy: str, groups: int = GROUPS) -> None:
         self.out = out
         self.strategy = strategy
+        self.groups = groups
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.port = free_port()
@@ -104,7 +108,7 @@ class Run:
             strategy=self.strategy,
             lighthouse=self.url,
             group=group,
-            groups=GROUPS,
+            groups=self.groups,
             out=str(self.out),
             slow=0.3,
             connect_timeout=60,
@@ -169,8 +173,8 @@ class Run:
 def run_dir(tmp_path):
     runs: list[Run] = []
 
-    def make(strategy: str) -> Run:
-        run = Run(tmp_path, strategy)
+    def make(strategy: str, groups: int = GROUPS) -> Run:
+        run = Run(tmp_path, strategy, groups)
         runs.append(run)
         return run
 
@@ -192,13 +196,13 @@ def _committed_syncs(records: list[dict]) -> dict[int, list[int]]:
 
 
 def _start_and_kill(
-    run: Run, restart: bool, procs_per_group: int = 1, kill_at: int = KILL_AT
+    run: Run, restart: bool, procs_per_group: int = 1, kill_at: int = KILL_AT, **extra
 ) -> tuple[list[subprocess.Popen], subprocess.Popen | None, int]:
     """Start the lighthouse and the groups, SIGKILL every process of group 1 at ``kill_at`` (a node lost), start it
     again if ``restart``."""
     (run.out / "slow").touch()  # every group steps slowly until the test says otherwise
     run.lighthouse()
-    procs = [run.group(g, procs=procs_per_group) for g in range(GROUPS)]
+    procs = [run.group(g, procs=procs_per_group, **extra) for g in range(run.groups)]
     victim = procs[1]
     run.wait_until(
         f"replica group 1 at step {kill_at}", lambda: any(r["step"] >= kill_at for r in run.progress(1)), procs
@@ -208,11 +212,11 @@ def _start_and_kill(
     killed_at = max(r["step"] for r in run.progress(1))
     back = None
     if restart:
-        back = run.group(1, tag="b", procs=procs_per_group)
+        back = run.group(1, tag="b", procs=procs_per_group, **extra)
         run.wait_until(
             "the restarted replica group's first step",
             lambda: any(r["pid"] == back.pid for r in run.progress(1)),
-            [procs[0], procs[2], back],
+            [p for g, p in enumerate(procs) if g != 1] + [back],
         )
     (run.out / "slow").unlink()
     return procs, back, killed_at
@@ -227,7 +231,7 @@ def _check_survivors(run: Run, codes: list[int], survivors: list[int], max_steps
         steps = [r["step"] for r in next(iter(runs.values()))]
         assert steps == list(range(1, max_steps + 1)), f"replica group {g}'s steps have a gap: {steps}"
         syncs = [r for r in run.progress(g) if r["synced"]]
-        assert any(r["replicas"] == GROUPS - 1 for r in syncs), f"group {g} never synced without the lost group"
+        assert any(r["replicas"] == run.groups - 1 for r in syncs), f"group {g} never synced without the lost group"
         assert all(r["committed"] for r in syncs if r["step"] > kill_at + 8), "a sync failed well after the kill"
         (result,) = run.results(g)
         assert result["val_acc"] >= TARGET, f"replica group {g} ends at validation accuracy {result['val_acc']}"
@@ -272,6 +276,51 @@ def test_a_replica_group_of_two_processes_is_one_replica_that_survives_losing_a_
 
 
 @pytest.mark.timeout(3 * LIMIT_S)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "diloco",
+        *(
+            pytest.param(name, marks=pytest.mark.skipif(not SLOW, reason="LIGHTNING_SYNC_SLOW_TESTS=1"))
+            for name in ("diloco_streaming", "localsgd")
+        ),
+    ],
+)
+def test_a_killed_sharded_replica_group_restarts_heals_every_shard_and_rejoins(strategy, run_dir):
+    """2 replica groups of 2 processes, each group's model sharded with FSDP2 over its processes (sharded DiLoCo with
+    outer Nesterov momentum): every rank is a member of its shard index's quorum (a torchft Manager per rank), so each
+    rank averages its own shard with the same shard of the other group. The whole group 1 is killed and started again;
+    everything asserted for unsharded groups holds (the survivor never restarts and has no step gap, the restarted
+    group resumes at one of its steps, bit-identical after its first sync, and from its checkpoint), and rank by rank:
+    every shard ends bit-identical to the same shard of the other group, and each rank sent its own shard's bytes.
+    ``LIGHTNING_SYNC_SLOW_TESTS=1`` adds streaming DiLoCo (2 fragments of each rank's shard, each in flight for a
+    step over its shard index's quorum) and local SGD."""
+    run = run_dir(strategy, groups=2)
+    # slower survivors until the rejoin: a group of two processes takes long to start on a loaded machine
+    args = {**RUNS[strategy]["args"], "verify_sync": True}  # every sync: each shard checked across the groups
+    results = _kill_restart_and_check(
+        run, RUNS[strategy]["max_steps"], procs_per_group=2, kill_at=20, sharded=True, slow=0.5, args=args
+    )
+    leaders = {0: results[0]["pid"], 1: results[1]["pid"]}  # group 1: the restarted run's first process
+    shards = {}
+    for g in range(2):
+        files = [json.loads(p.read_text()) for p in run.out.glob(f"shard_g{g}_r1_*.json")]
+        (shards[g],) = [f for f in files if f["leader"] == leaders[g]]
+    assert shards[0]["checksum"] == shards[1]["checksum"], "shard 1 differs between the replica groups"
+    assert shards[0]["checksum"] != results[0]["checksum"]  # each rank holds its own shard, not the whole model
+    if strategy == "diloco_streaming":  # its fragments' bytes: a range of each shard per sync
+        return
+    for rank0, rank1 in ((results[0], shards[0]), (results[1], shards[1])):
+        assert rank0["world_size"] == 2 and rank1["flat_bytes"] > 0
+        # between groups every rank sends its own shard: k all-reduces over 2 groups of its shard (exactly its bytes
+        # each, gloo's ring for 2), the same k on both ranks; nothing of the whole model inside the group
+        sent = [rank0["bytes"].get("params", 0), rank1["bytes"].get("params", 0)]
+        k, rest = divmod(sent[0], rank0["flat_bytes"])
+        assert k > 0 and rest == 0 and sent[1] == k * rank1["flat_bytes"], (sent, rank0, rank1)
+        assert not any(tag.startswith("intra/params") for tag in rank0["bytes"])
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
 def test_a_lost_process_takes_its_two_process_group_down_and_the_other_groups_go_on(run_dir):
     """Only the second process of group 1 is killed: the group's first process fails at its next collective inside
     the group and exits with an error; the other groups finish without group 1."""
@@ -290,12 +339,15 @@ def test_a_lost_process_takes_its_two_process_group_down_and_the_other_groups_go
     assert run.results(1) == []
 
 
-def _kill_restart_and_check(run: Run, max_steps: int, procs_per_group: int = 1, kill_at: int = KILL_AT) -> list[dict]:
+def _kill_restart_and_check(
+    run: Run, max_steps: int, procs_per_group: int = 1, kill_at: int = KILL_AT, **extra
+) -> list[dict]:
     """Group 1 killed and restarted; the survivors' and the restarted group's checks; a checkpoint the restarted group
-    took resumes. Returns the three groups' results."""
-    procs, back, killed_at = _start_and_kill(run, restart=True, procs_per_group=procs_per_group, kill_at=kill_at)
-    codes = run.finish([procs[0], back, procs[2]])
-    _check_survivors(run, [codes[0], None, codes[2]], [0, 2], max_steps, kill_at)
+    took resumes. Returns the groups' results (``extra``: the workers' configuration, e.g. ``sharded=True``)."""
+    procs, back, killed_at = _start_and_kill(run, True, procs_per_group, kill_at, **extra)
+    survivors = [g for g in range(run.groups) if g != 1]
+    codes = run.finish([back if g == 1 else p for g, p in enumerate(procs)])
+    _check_survivors(run, [None if g == 1 else c for g, c in enumerate(codes)], survivors, max_steps, kill_at)
     assert codes[1] == 0, f"the restarted replica group exited with {codes[1]}\n{run.dump()}"
 
     runs = _by_pid(run.progress(1))
@@ -309,11 +361,15 @@ def _kill_restart_and_check(run: Run, max_steps: int, procs_per_group: int = 1, 
     assert (first["epoch"], first["batch"]) == (peer["epoch"], peer["batch"])
     # after its first sync it holds exactly what its peers hold after theirs (same torchft step)
     mine = [r for r in runs[back.pid] if r["synced"]]
-    assert mine and mine[0]["committed"] and mine[0]["replicas"] == GROUPS
+    assert mine and mine[0]["committed"] and mine[0]["replicas"] == run.groups
     peers = _committed_syncs(run.progress(0))
     assert mine[0]["ft_step"] in peers and mine[0]["checksum"] == peers[mine[0]["ft_step"]]
-    assert _committed_syncs(run.progress(2))[mine[0]["ft_step"]] == peers[mine[0]["ft_step"]]
-    results = [run.results(0)[0], [r for r in run.results(1) if r["pid"] == back.pid][0], run.results(2)[0]]
+    for g in survivors[1:]:
+        assert _committed_syncs(run.progress(g))[mine[0]["ft_step"]] == peers[mine[0]["ft_step"]]
+    results = [
+        [r for r in run.results(1) if r["pid"] == back.pid][0] if g == 1 else run.results(g)[0]
+        for g in range(run.groups)
+    ]
     assert len({r["checksum"] for r in results}) == 1, "the replica groups end with different models"
     assert results[1]["val_acc"] >= TARGET and results[1]["global_step"] == max_steps
     assert results[1]["metrics"]["ft_heals"] >= 1 and results[0]["bytes"].get("recovery", 0) > 0
@@ -323,7 +379,14 @@ def _kill_restart_and_check(run: Run, max_steps: int, procs_per_group: int = 1, 
     assert ckpt.exists() and Path(f"{ckpt}.rank0").exists()
     more = 8
     resumed = run.group(
-        1, tag="r", resume=str(ckpt), max_steps=max_steps + more, join_timeout=2, save=None, procs=procs_per_group
+        1,
+        tag="r",
+        resume=str(ckpt),
+        max_steps=max_steps + more,
+        join_timeout=2,
+        save=None,
+        procs=procs_per_group,
+        **extra,
     )
     assert run.finish([resumed]) == [0], run.dump()
     after = _by_pid(run.progress(1))[resumed.pid]
@@ -411,6 +474,30 @@ def test_a_replica_group_of_two_processes_stops_on_every_process_with_the_cause(
 
     run.url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     lost = run.group(0, tag="x", groups=2, procs=2, connect_timeout=2)
+    assert run.finish([lost]) == [1], run.dump()
+    text = run.logs[-1].read_text()
+    assert "the replica group's leader (rank 0) could not join: FaultToleranceError" in text, text[-3000:]
+    assert text.count(f"cannot reach the torchft lighthouse at {run.url}") >= 2
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_sharded_replica_groups_with_different_shard_counts_or_no_lighthouse_stop_with_the_cause(run_dir):
+    """A sharded group of 2 processes and one of 1 (each shard index averages with the same shard of the other groups:
+    the second shard has no peer) stop, every process, with an error naming the shard counts; a sharded group whose
+    rank 0 cannot reach the lighthouse stops on both processes with that cause."""
+    run = run_dir("localsgd", groups=2)
+    run.lighthouse()
+    procs = [run.group(0, procs=2, sharded=True, timeout=10), run.group(1, sharded=True, timeout=10)]
+    assert run.finish(procs) == [1, 1], run.dump()
+    for log, processes in zip(run.logs[1:], (2, 1)):
+        text = log.read_text()
+        cause = "replica group 1 shards its model over 1 process(es), replica group 0 over 2: sharded replica groups"
+        assert text.count(cause) == processes, text[-3000:]
+        assert "must have the same shard count" in text and "all groups stop" in text
+    assert run.results(0) == [] and run.results(1) == []
+
+    run.url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    lost = run.group(0, tag="x", procs=2, sharded=True, connect_timeout=2)
     assert run.finish([lost]) == [1], run.dump()
     text = run.logs[-1].read_text()
     assert "the replica group's leader (rank 0) could not join: FaultToleranceError" in text, text[-3000:]

@@ -29,7 +29,8 @@ What is held here:
   ``ModelParallelStrategy`` bit for bit, its all-gathers and reduce-scatters counted exactly; inside a sharded
   replica the same traffic is counted as ``intra/fsdp_*``.
 * **Refusals at setup**: a LightningModule without ``configure_model``, ``fully_shard`` over the 2-D mesh (HSDP);
-  at construction (in-process) ``sharded`` without ``replica_size``, with ``fault_tolerance``. The
+  at construction (in-process) ``sharded`` without ``replica_size``, or with ``fault_tolerance`` for a method other
+  than local SGD and DiLoCo (fault-tolerant sharded groups: ``tests/test_fault_tolerance.py``). The
   other methods on sharded replicas, and the refusals of those that do not run sharded, are
   ``tests/test_sharded_methods.py``'s.
 """
@@ -593,7 +594,14 @@ def test_refused_at_setup_saying_what_to_write(suite):
 
 
 def test_sharded_needs_replica_size_and_refuses_what_it_cannot_run_with():
-    from lightning_sync import DiLoCoStrategy, LocalSGDStrategy
+    from lightning_sync import (
+        ADPSGDStrategy,
+        BSPStrategy,
+        DiLoCoStrategy,
+        FedAvgStrategy,
+        LocalSGDStrategy,
+        SelSyncStrategy,
+    )
     from lightning_sync.strategies.fault_tolerance import FaultTolerance
 
     with pytest.raises(ValueError, match=r"sharded=True\) needs replica_size"):
@@ -601,8 +609,19 @@ def test_sharded_needs_replica_size_and_refuses_what_it_cannot_run_with():
     # FSDP2's collectives inside a sharded replica are counted and emulated on intra_link (no longer refused)
     assert LocalSGDStrategy(sharded=True, replica_size=2, intra_link="10gbit").intra_link is not None
     ft = FaultTolerance(lighthouse="http://localhost:29510", replica_group=0, replica_groups=2)
-    with pytest.raises(ValueError, match="fault_tolerance=...\\) is not supported"):
-        DiLoCoStrategy(sharded=True, replica_size=2, fault_tolerance=ft)
+    # fault-tolerant sharded groups: local SGD and DiLoCo (plain, streaming); the others say what runs instead
+    assert LocalSGDStrategy(sharded=True, replica_size="node", fault_tolerance=ft).fault_tolerance is ft
+    assert DiLoCoStrategy(sharded=True, replica_size=2, fragments=2, delay=1, fault_tolerance=ft).sharded
+    for cls in (BSPStrategy, FedAvgStrategy, ADPSGDStrategy):
+        with pytest.raises(
+            ValueError,
+            match=rf"{cls.__name__}\(sharded=True, fault_tolerance=...\) is not supported: fault-tolerant sharded "
+            rf"replica groups .* Use LocalSGDStrategy or DiLoCoStrategy with sharded=True and fault_tolerance, or "
+            rf"{cls.__name__} with fault_tolerance and sharded=False",
+        ):
+            cls(sharded=True, replica_size=2, fault_tolerance=ft)
+    with pytest.raises(ValueError, match="must be None for SelSyncStrategy, which cannot run fault-tolerant"):
+        SelSyncStrategy(sharded=True, replica_size=2, fault_tolerance=ft)
     with pytest.raises(ValueError, match="sharded must be a bool"):
         LocalSGDStrategy(sharded="yes", replica_size=2)
     assert LocalSGDStrategy(sharded=True, replica_size="node").sharded

@@ -157,6 +157,8 @@ class DiLoCoStrategy(PeriodicAveraging):
     strategy_name = "diloco"
     strategy_description = "DiLoCo: local steps, an outer Nesterov step on the averaged pseudo-gradient every H steps"
     sharded_refusal = None  # plain and streaming (fragments of each rank's local shard)
+    #: sharded replica groups run fault-tolerant: a torchft Manager per rank, each shard averaged over its quorum
+    sharded_fault_tolerance_refusal = None
     ft_config_fields = ("sync_every", "fragments", "delay", "alpha")
 
     def __init__(

@@ -24,6 +24,13 @@ parallelism inside, :mod:`~lightning_sync.strategies.replicas`). The groups meet
   over the replica's own communicator: they receive the quorum's answer, a peer's state, each average and each
   commit's verdict, so every process of the group decides alike and holds the same replica. A lost process takes its
   whole group down (its collectives inside the group fail); the group restarts as a whole, like a lost node.
+* **A sharded group** (``sharded=True``: the model sharded with FSDP2 over the group's processes; local SGD and
+  DiLoCo): every rank is a member of its shard index's quorum, torchft's HSDP layout
+  (:class:`~lightning_sync.comm.ft.ShardMember`: a ``Manager`` per rank, one process group per shard index rebuilt
+  per quorum), so each rank averages its own shard with the same shard of the live groups and a restarted group
+  receives each shard from the same shard of a live one; the group's ranks share one quorum and one commit verdict
+  (torchft's manager server on the group's rank 0 gathers them). A lost process loses its group (FSDP2's collectives
+  fail). Every group must have the same shard count (checked at the first quorum).
 * **Data.** The training data is sharded over ``replica_groups`` by the group's fixed index (a group that is gone
   leaves its shard untrained until it is back); validation data only over the group's own processes, so every group
   validates on the whole validation split (groups in sync report the same metrics).
@@ -43,8 +50,9 @@ fraction drawn among the quorum's members), ADPSGD (its statistic all-reduced in
 step that does not commit is not applied — :meth:`~lightning_sync.strategies.ft_topology.FaultTolerantTopology
 .average_grads`). Refused, with the reason, at construction:
 every other strategy (:attr:`~lightning_sync.strategies.SyncStrategy.fault_tolerance_refusal`), compression, data
-injection, and (at setup) ``accumulate_grad_batches > 1`` and a group of several processes that are not one replica
-(``replica_size`` other than ``"node"`` or the group's size).
+injection, sharded groups of BSP, FedAvg and ADPSGD (not built yet: ``sharded_fault_tolerance_refusal``), and (at
+setup) sharded groups with different shard counts, ``accumulate_grad_batches > 1`` and a group of several processes
+that are not one replica (``replica_size`` other than ``"node"`` or the group's size).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ quorum at each step's end, the gradients averaged over it by :meth:`FaultToleran
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -35,11 +34,12 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from lightning_sync.strategies.ft_members import join_group
 from lightning_sync.strategies.sharded_topology import ShardedTopology
 from lightning_sync.strategies.topology import InFlight, ReplicaHost, Topology, layout_topology
 
 if TYPE_CHECKING:
-    from lightning_sync.comm.ft import PendingAllReduce, QuorumInfo, ReplicaGroupComm, ReplicaMirror
+    from lightning_sync.comm.ft import PendingAllReduce, QuorumInfo, ReplicaGroupComm, ReplicaMirror, ShardMember
     from lightning_sync.strategies.fault_tolerance import FaultTolerance
 
 __all__ = ["FaultTolerantTopology"]
@@ -79,8 +79,9 @@ class FaultTolerantTopology(Topology):
         super().__init__(strategy)
         self.within = within
         self.config: FaultTolerance = strategy.fault_tolerance
-        #: the group's membership: the leader's torchft Manager, or the mirror of a group of several processes
-        self.ft: ReplicaGroupComm | ReplicaMirror | None = None
+        #: the group's membership: the leader's torchft Manager, the mirror of a group of several processes, or this
+        #: rank's membership of a sharded group
+        self.ft: ReplicaGroupComm | ReplicaMirror | ShardMember | None = None
         self._open = False  # a quorum was held at this step boundary for the next step's sync (and not used yet)
         self._received: Any = None  # a peer's state, received during the quorum, applied after the members' check
         self._scratch: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
@@ -102,8 +103,11 @@ class FaultTolerantTopology(Topology):
 
     # ------------------------------------------------------------------ lifecycle
     def setup_environment(self) -> None:
-        """Reach the lighthouse and become the group's member (the leader; the others mirror it). Only when fitting:
-        validate/test/predict evaluate each replica group on its own, with nobody else."""
+        """Reach the lighthouse and become the group's member (:func:`~lightning_sync.strategies.ft_members
+        .join_group`: the one process, the leader whom the others mirror, or every rank of a sharded group for its
+        shard index). Only when fitting: validate/test/predict evaluate each replica group on its own, with nobody
+        else. The group's own layout first (sharded: the device mesh on the LightningModule)."""
+        self.within.setup_environment()
         s = self.strategy
         trainer = s.lightning_module.trainer if s.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
@@ -112,62 +116,18 @@ class FaultTolerantTopology(Topology):
         if s.world_size > 1 and s.ranks_per_replica != s.world_size:
             raise ValueError(
                 f"{name}(fault_tolerance=...) with {s.world_size} processes in this replica group: they must form "
-                f"one replica (exact data parallelism inside the group, the method between groups), got "
+                f"one replica (exact data parallelism or FSDP2 inside the group, the method between groups), got "
                 f"replica_size={s.replica_size!r} ({s.ranks_per_replica} rank(s) per replica). Start each "
                 "replica group as one job of one node with replica_size='node' (or replica_size=devices), or run one "
                 "process per replica group (devices=1, num_nodes=1)"
             )
-        from lightning_sync.comm.ft import ReplicaMirror
-
-        mirror = None
-        if s.world_size > 1:  # the leader joins the quorum, the replica's other processes follow it
-            mirror = ReplicaMirror(None, s.replicas.intra, self._receive, leader=s.global_rank == 0)
-        inner, failed = None, None
-        if s.global_rank == 0:
-            try:
-                inner = self._join(mirror)
-            except Exception as err:  # the replica's other processes stop with the same error
-                if mirror is None:
-                    raise
-                failed = err
-        if mirror is not None:
-            message = mirror.agree(None if failed is None else f"{type(failed).__name__}: {failed}")
-            if failed is not None:
-                raise failed
-            if message is not None:
-                raise _error(f"the replica group's leader (rank 0) could not join: {message}")
-            mirror.inner = inner
-            self.ft = mirror
-        else:
-            self.ft = inner
+        self.ft = join_group(s, self._receive, self._state_to_send)
         self._joined = True
         if not any(isinstance(cb, _QuorumAtStepEnd) for cb in trainer.callbacks):
             trainer.callbacks.append(_QuorumAtStepEnd(s))
 
-    def _join(self, mirror: ReplicaMirror | None) -> ReplicaGroupComm:
-        """The leader's membership in the quorum (torchft sees one process per replica group; with a ``mirror`` the
-        state a peer sends is shared with the group's other processes before anyone loads it)."""
-        from lightning_sync.comm.ft import ReplicaGroupComm
-
-        s, cfg = self.strategy, self.config
-        return ReplicaGroupComm(
-            stats=s.comm_stats,
-            clock=s.comm.clock,  # one emulated link per replica: its Communicator's
-            lighthouse=cfg.lighthouse,
-            replica_id=cfg.replica_id,
-            min_replicas=cfg.min_replicas,
-            group_rank=0,
-            group_world_size=1,
-            store_addr=cfg.hostname or os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            state_dict=self._state_to_send,
-            load_state_dict=self._receive if mirror is None else mirror.capture,
-            timeout=cfg.timeout,
-            quorum_timeout=cfg.quorum_timeout,
-            connect_timeout=cfg.connect_timeout,
-            hostname=cfg.hostname,
-        )
-
     def check_trainer(self, trainer: pl.Trainer) -> None:
+        self.within.check_trainer(trainer)  # sharded: configure_model shards every parameter over "shard"
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"{type(self.strategy).__name__}(fault_tolerance=...) does not support accumulate_grad_batches="
@@ -194,6 +154,7 @@ class FaultTolerantTopology(Topology):
         from it. Then a group that was not behind commits once, so any group that starts later is behind and heals,
         never the other way round."""
         if self.ft is None or trainer.state.fn != TrainerFn.FITTING:
+            self.within.start(trainer)  # evaluating: as the group's own layout does it
             return
         cfg = self.config
         start = time.monotonic()
@@ -300,14 +261,15 @@ class FaultTolerantTopology(Topology):
         joins with another configuration, or with the index of a running group, stops alone. The error names the
         difference."""
         s, cfg = self.strategy, self.config
-        mine = {
+        mine = {  # sharded: rank 0's (shard 0's) layout, compared among the groups' ranks 0
             "strategy": type(s).__name__,
+            "sharded": s.replicas.sharded,
+            "processes_per_group": s.world_size,
             "config": s._ft_method_config(),
             "model": [(str(g.state.dtype), int(g.state.numel()), int(g.param_numel)) for g in s.flat.groups],
             "replica_groups": cfg.replica_groups,
-            "processes_per_group": s.world_size,
         }
-        gathered = self.ft.all_gather_object((info.step_before, cfg.replica_group, mine), tag="setup")
+        gathered = self.ft.gather_groups((info.step_before, cfg.replica_group, mine), tag="setup")
         if gathered is None:
             return  # a member is gone already: this quorum's commit fails, the next one checks again
         steps = [step for step, _, _ in gathered]
@@ -317,6 +279,14 @@ class FaultTolerantTopology(Topology):
         checked = [(group, c) for _, group, c in gathered] if fresh else [(cfg.replica_group, mine)]
         for group, theirs in checked:
             for key in mine:
+                if theirs[key] != ref[key] and key == "processes_per_group" and mine["sharded"]:
+                    raise _error(
+                        f"replica group {group} shards its model over {theirs[key]} process(es), replica group "
+                        f"{ref_group} over {ref[key]}: sharded replica groups must have the same shard count (the same "
+                        "devices and replica_size), since each shard index averages with the same shard of the other "
+                        "groups. Start every group with the same number of processes"
+                        + (" (all groups stop: they started together)" if fresh else "")
+                    )
                 if theirs[key] != ref[key]:
                     raise _error(
                         f"replica group {group}'s {key} is {theirs[key]!r}, replica group {ref_group}'s is "
@@ -339,6 +309,8 @@ class FaultTolerantTopology(Topology):
         s = self.strategy
         trainer = s.lightning_module.trainer
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for key in ("state_dict", "optimizer_states"):  # as this rank holds it (sharded: its local shards)
+            checkpoint[key] = self.within.checkpoint_part(checkpoint.get(key))
         state = s.strategy_state()
         state.pop("comm", None)
         state.pop("ft", None)
@@ -563,13 +535,33 @@ class FaultTolerantTopology(Topology):
     def open_side_channel(self) -> None:
         """Nothing to open: an average in flight runs on torchft's own group over the quorum."""
 
+    # ------------------------------------------------------------------ the group's own layout (sharded: FSDP2's)
+    def start_identical(self, tensors: list[Tensor]) -> None:
+        self.within.start_identical(tensors)  # inside the group; the groups start alike through torchft's init_sync
+
+    def identical_over(self) -> Any:
+        return self.within.identical_over()
+
+    def parts_hold_model(self, replicas_diverge: bool) -> bool:
+        return self.within.parts_hold_model(replicas_diverge)
+
+    def checkpoint_part(self, tree: Any) -> Any:
+        return self.within.checkpoint_part(tree)
+
+    def checkpoint_main(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        return self.within.checkpoint_main(checkpoint)
+
+    def restore_model(self, state_dict: Any, module: Any) -> Any:
+        return self.within.restore_model(state_dict, module)
+
+    def restore_optimizer(self, state: Any, optimizer: Any) -> Any:
+        return self.within.restore_optimizer(state, optimizer)
+
 
 def topology_for(strategy: ReplicaHost) -> Topology:
-    """The topology ``strategy`` runs, chosen once at ``setup_environment`` (after its groups): sharded, fault-tolerant
-    over ``within`` (grouped or flat), grouped, or flat."""
-    if strategy.replicas.sharded:  # fault tolerance is refused with it at construction
-        return ShardedTopology(strategy)
-    within = layout_topology(strategy)
+    """The topology ``strategy`` runs, chosen once at ``setup_environment`` (after its groups): fault-tolerant over
+    ``within`` (the group's own layout: sharded, grouped or flat), or that layout alone."""
+    within = ShardedTopology(strategy) if strategy.replicas.sharded else layout_topology(strategy)
     if strategy.fault_tolerance is not None:
         return FaultTolerantTopology(strategy, within)
     return within

@@ -49,6 +49,8 @@ class LocalSGDStrategy(PeriodicAveraging):
     strategy_name = "localsgd"
     strategy_description = "Local SGD (CPSGD): average parameters every `period` steps"
     sharded_refusal = None
+    #: sharded replica groups run fault-tolerant: a torchft Manager per rank, each shard averaged over its quorum
+    sharded_fault_tolerance_refusal = None
     ft_config_fields = ("period", "warmup_steps", "offset")
     state_fields = ("_step",)
 

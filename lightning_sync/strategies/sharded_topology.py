@@ -27,7 +27,10 @@ momentum) lives on the local shard as well. The flat state packs the local shard
   ranks (:meth:`ShardedTopology.open_side_channel`); a fragment is a range of each rank's local shard.
 
 The parameter-server family (ASP, SSP, ALADDIN), OSP and Sync-Switch refuse ``sharded=True`` at construction, each
-saying why (``sharded_refusal``) and naming the methods that run sharded.
+saying why (``sharded_refusal``) and naming the methods that run sharded. **Fault-tolerant** sharded groups
+(``fault_tolerance=...``): local SGD and DiLoCo, this topology as the group's own layout inside
+:class:`~lightning_sync.strategies.ft_topology.FaultTolerantTopology` (every rank a member of its shard index's
+torchft quorum); the other methods refuse it (``sharded_fault_tolerance_refusal``).
 
 **What the LightningModule writes**, as for Lightning's ``ModelParallelStrategy``: its ``configure_model`` shards over
 ``self.device_mesh["shard"]`` (the strategy sets ``device_mesh``, a ``("replicate", "shard")`` mesh of replicas x
@@ -92,7 +95,7 @@ from lightning_sync.comm.fsdp_comm import count_fsdp_collectives
 from lightning_sync.core.validation import check_bool
 from lightning_sync.strategies.topology import InFlight, Topology
 
-__all__ = ["SHARDED_METHODS", "ShardedTopology", "check_sharded"]
+__all__ = ["SHARDED_FT_METHODS", "SHARDED_METHODS", "ShardedTopology", "check_sharded"]
 
 #: the pack's methods that run on sharded replicas (named in the refusals of the others)
 SHARDED_METHODS = (
@@ -102,6 +105,15 @@ SHARDED_METHODS = (
     "FedAvgStrategy",
     "ADPSGDStrategy",
     "DiLoCoStrategy",
+)
+
+#: the methods whose sharded replica groups run fault-tolerant (``sharded_fault_tolerance_refusal = None``)
+SHARDED_FT_METHODS = ("LocalSGDStrategy", "DiLoCoStrategy")
+#: why a method that does not declare ``sharded_fault_tolerance_refusal = None`` refuses sharded fault tolerance
+SHARDED_FT_NOT_BUILT = (
+    "fault-tolerant sharded replica groups (a torchft Manager per rank, one quorum per shard index) are built for "
+    "the parameter averages of local SGD and DiLoCo only; this method's other syncs (every step's gradients, a "
+    "participants' draw, a statistic between groups) are not built or tested on them yet."
 )
 
 #: what a LightningModule's configure_model writes to shard over the replica (the error messages quote it)
@@ -119,8 +131,9 @@ CONFIGURE_MODEL = (
 
 def check_sharded(strategy: Any, sharded: Any, replica_size: Any, fault_tolerance: Any) -> bool:
     """At construction: ``sharded`` is a bool; ``True`` needs ``replica_size`` and a method that runs sharded (its
-    ``sharded_refusal`` is ``None``, and it runs with replica groups) and refuses ``fault_tolerance``, saying why and
-    what to use instead."""
+    ``sharded_refusal`` is ``None``, and it runs with replica groups) and refuses ``fault_tolerance`` unless the
+    method runs fault-tolerant sharded groups (its ``sharded_fault_tolerance_refusal`` is ``None``: local SGD,
+    DiLoCo), saying why and what to use instead."""
     check_bool("sharded", sharded)
     if not sharded:
         return False
@@ -141,11 +154,13 @@ def check_sharded(strategy: Any, sharded: Any, replica_size: Any, fault_toleranc
             f"{name}(sharded=True) needs replica_size: the ranks one sharded replica spans, 'node' (the ranks of one "
             "node) or an integer (that many consecutive ranks); the model is sharded with FSDP2 over them"
         )
-    if fault_tolerance is not None:
+    # a method that cannot run fault-tolerant at all says so itself (check_fault_tolerance)
+    refusal = getattr(strategy, "sharded_fault_tolerance_refusal", SHARDED_FT_NOT_BUILT)
+    if fault_tolerance is not None and strategy.fault_tolerance_refusal is None and refusal is not None:
         raise ValueError(
-            f"{name}(sharded=True, fault_tolerance=...) is not supported: fault-tolerant replica groups of sharded "
-            "replicas are not built yet; use fault_tolerance with sharded=False (DDP inside each replica), or sharded "
-            "replicas without fault_tolerance"
+            f"{name}(sharded=True, fault_tolerance=...) is not supported: {refusal} Use "
+            f"{' or '.join(SHARDED_FT_METHODS)} with sharded=True and fault_tolerance, or {name} with fault_tolerance "
+            "and sharded=False (DDP inside each replica group), or with sharded=True without fault_tolerance."
         )
     return True
 

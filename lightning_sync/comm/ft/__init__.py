@@ -24,7 +24,9 @@ under the tag ``"quorum"``, with the time it blocked, and costs one emulated lat
 One concern a module: :mod:`~lightning_sync.comm.ft.lighthouse` (the lighthouse's entry point),
 :mod:`~lightning_sync.comm.ft.process_group` (the counted reconfigurable group),
 :mod:`~lightning_sync.comm.ft.replica_group` (the replica group's torchft ``Manager`` and its collectives),
-:mod:`~lightning_sync.comm.ft.mirror` (a replica group of several processes), :mod:`~lightning_sync.comm.ft.errors`;
+:mod:`~lightning_sync.comm.ft.mirror` (a replica group of several processes), :mod:`~lightning_sync.comm.ft.shard`
+(a sharded replica group: a ``Manager`` per rank, one process group per shard index),
+:mod:`~lightning_sync.comm.ft.errors`;
 torchft itself is imported in ``_torchft`` only. Every name is importable from here.
 """
 
@@ -35,6 +37,7 @@ from lightning_sync.comm.ft.lighthouse import check_lighthouse, lighthouse_main,
 from lightning_sync.comm.ft.mirror import MirroredPending, ReplicaMirror
 from lightning_sync.comm.ft.process_group import CountedProcessGroupGloo
 from lightning_sync.comm.ft.replica_group import PendingAllReduce, QuorumInfo, ReplicaGroupComm
+from lightning_sync.comm.ft.shard import ShardMember, join_sharded
 
 __all__ = [
     "CountedProcessGroupGloo",
@@ -44,7 +47,9 @@ __all__ = [
     "QuorumInfo",
     "ReplicaGroupComm",
     "ReplicaMirror",
+    "ShardMember",
     "check_lighthouse",
+    "join_sharded",
     "lighthouse_main",
     "run_lighthouse",
     "serve_lighthouse",

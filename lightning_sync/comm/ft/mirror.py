@@ -115,6 +115,9 @@ class ReplicaMirror:
         gathered = self.inner.all_gather_object(obj, tag=tag) if self.leader else None
         return self._share(gathered)
 
+    def gather_groups(self, obj: Any, tag: str = "setup") -> list[Any] | None:
+        return self.all_gather_object(obj, tag=tag)  # the leader's gather, shared in the group
+
     # ------------------------------------------------------------------ state and shutdown
     def state_dict(self) -> dict[str, int]:
         return self.inner.state_dict() if self.leader else dict(self._state)

@@ -58,12 +58,15 @@ class ReplicaGroupComm:
         lighthouse: the lighthouse's URL (``http://host:29510``).
         replica_id: this replica group's name (restarts keep it; torchft adds a fresh suffix per process).
         min_replicas: the fewest replica groups a step may commit with.
-        group_rank, group_world_size: this process among its replica group's processes (1 process per group for now).
+        group_rank, group_world_size: this process among its replica group's processes (one process per group, or
+            a sharded group's ranks: each a member of its shard index's quorum, :mod:`~lightning_sync.comm.ft.shard`).
         store_addr: the address of this membership's own ``TCPStore``, served on a free port for as long as it lives:
             other groups connect to the one of a quorum's primary to build the process group, so ``store_addr`` must
             be reachable from them. Its own store, not the default process group's: torchft keys the rendezvous by
             quorum id, and a later membership in the same process (another fit, against a restarted lighthouse whose
             ids start again) would read the earlier one's stale addresses from a shared store.
+        store_port: the port of the group's store served by its rank 0's membership (:attr:`store_port` there), for
+            the group's other ranks; ``None``: serve it (one process per group, or a group's rank 0).
         state_dict, load_state_dict: what a healthy group sends a group that is behind, and how that one loads it
             (called from the training thread, inside :meth:`quorum`).
         timeout: collectives, the state transfer and the commit; quorum_timeout: how long a quorum may wait for
@@ -89,6 +92,7 @@ class ReplicaGroupComm:
         quorum_timeout: timedelta,
         connect_timeout: timedelta,
         hostname: str | None = None,
+        store_port: int | None = None,
     ) -> None:
         self.stats = stats
         self.clock = clock
@@ -100,7 +104,13 @@ class ReplicaGroupComm:
         self.pg = CountedProcessGroupGloo(stats, clock, timeout)
         transport = PGTransport(self.pg, timeout=timeout, device=torch.device("cpu"))
         kwargs: dict[str, Any] = {} if hostname is None else {"hostname": hostname}
-        self.store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.store = (
+            None
+            if store_port is not None
+            else TCPStore(store_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        )
+        #: the port of the group's store (the one this membership serves, or its rank 0's)
+        self.store_port = int(self.store.port) if self.store is not None else int(store_port)
         try:
             self.manager = Manager(
                 pg=self.pg,
@@ -114,7 +124,7 @@ class ReplicaGroupComm:
                 rank=group_rank,
                 world_size=group_world_size,
                 store_addr=store_addr,
-                store_port=self.store.port,
+                store_port=self.store_port,
                 lighthouse_addr=lighthouse,
                 replica_id=replica_id,
                 checkpoint_transport=transport,
@@ -288,6 +298,10 @@ class ReplicaGroupComm:
         if not self._run("all_gather", tag, lambda: [self.pg.allgather([bufs], [buf], AllgatherOptions())]):
             return None
         return [pickle.loads(b[: int(x.item())].numpy().tobytes()) for b, x in zip(bufs, lengths)]
+
+    def gather_groups(self, obj: Any, tag: str = "setup") -> list[Any] | None:
+        """One ``obj`` per live replica group (this group's one member: :meth:`all_gather_object`)."""
+        return self.all_gather_object(obj, tag=tag)
 
     # ------------------------------------------------------------------ state and shutdown
     def state_dict(self) -> dict[str, int]:
