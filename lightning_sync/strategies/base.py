@@ -108,13 +108,10 @@ class SyncStrategy(
             those, then a broadcast inside the replica (:mod:`~lightning_sync.strategies.replicas`). ``link`` then
             emulates the link between replicas only. Refused by the methods that cannot run so (the parameter-server
             family, Sync-Switch, OSP), saying why.
-        sharded: ``True``: each replica's model is sharded with FSDP2 over its ranks (``replica_size``), the method
-            runs between replicas on each rank's shard (BSP, SelSync, local SGD, FedAvg, ADPSGD, DiLoCo; the
-            parameter-server family, OSP and Sync-Switch refuse it, saying why; see
-            :mod:`~lightning_sync.strategies.sharded_topology`, and what ``configure_model`` writes there).
-        intra_link: emulate the link inside a replica group (a :class:`~lightning_sync.comm.LinkModel`,
-            ``"100gbit"``...; default none): the in-replica traffic of grouped replicas, and FSDP2's all-gathers and
-            reduce-scatters of sharded ones; needs replica groups (checked at setup).
+        sharded: ``True``: each replica's model is sharded with FSDP2 over its ranks and the method runs between
+            replicas on each rank's shard (:mod:`~lightning_sync.strategies.sharded_topology`: the methods that do).
+        intra_link: emulate the link inside a replica (a :class:`~lightning_sync.comm.LinkModel`, ``"100gbit"``...;
+            default none; FSDP2's collectives too when sharded); needs replica groups (checked at setup).
         sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
             and the loggers) when the Trainer has none; ``False`` adds nothing.
         fault_tolerance: ``None`` (default: every rank is needed, a failure stops the run) or a
