@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_sync.comm.compression import Compressor, ErrorFeedback, accumulation_dtype, decode, encode, wire_format
+from lightning_sync.comm.sparse import _by_threshold, select_largest
 
 DENSE = ("bf16", "fp16", "int8", "int4", "int2")
 SPARSE = ("topk:0.01", "topk:0.1", "topk:0.5", "topk:0.01+int2", "topk:0.05+int4", "topk:0.05+int8", "topk:0.3+int2")
@@ -128,6 +129,29 @@ def test_the_selection_takes_the_whole_chunk_topk_when_magnitudes_tie_at_its_thr
             _same(records[0][1], records[1][1], f"{name} m={m} residual")
 
 
+def test_the_threshold_selection_is_taken_on_distinct_magnitudes_and_refused_where_unsure():
+    """The fast path (:func:`~lightning_sync.comm.sparse.select_largest`'s threshold) is what the tests above check
+    on large chunks of distinct values — it gives ``torch.topk``'s set — and it declines (``None``: the whole
+    chunk's ``torch.topk``) on ties straddling the k-th place, on a NaN, and on a chunk too sparse for its sample."""
+    g = torch.Generator().manual_seed(3)
+    m, k = 40_001, 401
+    x = torch.randn(m, generator=g).abs()
+    chosen = _by_threshold(x, k)
+    assert chosen is not None and torch.equal(chosen, torch.topk(x, k).indices.sort().values)
+    assert torch.equal(select_largest(x, k), chosen)
+    sparse = torch.zeros(m)
+    sparse[torch.randperm(m, generator=g)[: 2 * k]] = torch.rand(2 * k, generator=g) + 0.5  # a reduced chunk
+    chosen = _by_threshold(sparse, k)  # the sample's threshold is 0: taken strictly above it
+    assert chosen is not None and torch.equal(chosen, torch.topk(sparse, k).indices.sort().values)
+    assert _by_threshold(torch.randint(0, 5, (m,), generator=g).float(), k) is None  # ties at the k-th
+    x[123] = float("nan")
+    assert _by_threshold(x, k) is None
+    assert torch.equal(select_largest(x, k), torch.topk(x, k).indices.sort().values)  # NaN first, as topk ranks it
+    few = torch.zeros(m)
+    few[:10] = 1.0
+    assert _by_threshold(few, k) is None  # fewer than k above zero, k - 10 zeros to choose among
+
+
 def test_fp16_beyond_its_range_raises_in_both():
     fmt = wire_format("fp16")
     x = torch.tensor([1.0, 1e6])
@@ -171,7 +195,7 @@ def _exchange(wss, part):
 
 @pytest.mark.parametrize("name", DENSE[2:] + SPARSE)
 @pytest.mark.parametrize(
-    ("numel", "dtype"), [(9_999, torch.float32), (100_003, torch.float32), (20_001, torch.bfloat16)]
+    ("numel", "dtype"), [(9_999, torch.float32), (120_003, torch.float32), (20_001, torch.bfloat16)]
 )
 def test_the_stages_of_a_compressed_all_reduce_are_the_reference_bits_sync_after_sync(name, numel, dtype):
     """Four simulated ranks, three syncs with error feedback (both residuals carried): after each, every buffer of
