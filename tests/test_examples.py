@@ -33,7 +33,8 @@ from lightning_sync.launch import free_port, kill_session
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TRAIN = EXAMPLES / "train.py"
 SHARDED = EXAMPLES / "train_sharded.py"
-TIMEOUT = 360  # seconds for every command together (started at once); about 10-30 s each alone on 2 idle cores
+TIMEOUT = 900  # seconds for every command together (started at once); about 10-30 s each alone on 2 idle cores,
+# 115 s together on 2 loaded ones: a hang guard with room for a slower machine
 #: what a launcher sets: removed, so that each command starts as if typed in a fresh shell
 LAUNCHER_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
