@@ -166,7 +166,10 @@ class TimeToTarget(Callback):
             self._step_walls.append(time.perf_counter() - self._t0)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if trainer.global_rank == 0:  # the gradients exist now (what the end record's memory counts of them)
+        # the gradients exist now (what the end record's memory counts of them); at steps 0, 1, 2, 4, 8, ... only, so
+        # that a timed run does not walk the parameters every step for a size that stops changing
+        step = trainer.global_step
+        if trainer.global_rank == 0 and step & (step - 1) == 0:
             self._memory.observe_grads(pl_module)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
