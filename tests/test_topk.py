@@ -89,14 +89,14 @@ def test_simulated_all_reduce_is_identical_everywhere_and_no_more_than_its_entri
     assert int((out[0] != 0).sum()) <= world * topk_count(chunk, 0.05)  # k entries of each chunk's sum
 
 
-def test_error_feedback_delivers_the_exact_sum_less_the_residuals_and_the_mean_converges():
-    """Stage 1 sends v_r - w_r (v_r = x_r + the previous w_r), stage 2 sends u - s (u = the mean of stage 1 + the
-    previous s): summed over steps, what every rank received is sum_t mean_r(x_r) - mean_r(w_r) - s."""
+def _check_error_feedback_identity(name: str) -> None:
+    """60 syncs of 4 ranks under ``name``: what every rank received, summed, is the sum of the exact means less the
+    mean worker residual and the server residual; the residuals' share of the running mean shrinks as 1/t."""
     world, numel, steps = 4, 4000, 60
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(numel, generator=g) * (1 + 10 * torch.rand(numel, generator=g)) for _ in range(world)]
     exact = torch.stack(xs).double().mean(0)
-    comps = [Compressor("topk:0.05") for _ in range(world)]
+    comps = [Compressor(name) for _ in range(world)]
     fbs = [c.feedback("s", numel, torch.float32, torch.device("cpu")) for c in comps]
     total = torch.zeros(numel, dtype=torch.float64)
     errors = []
@@ -107,8 +107,13 @@ def test_error_feedback_delivers_the_exact_sum_less_the_residuals_and_the_mean_c
         servers = torch.cat([fbs[r].server_residual(chunk, world, r).double() for r in range(world)])[:numel]
         assert torch.allclose(total, t * exact - workers - servers, rtol=0, atol=1e-4 * t)
         errors.append(float((total / t - exact).abs().max()))
-    # 5 % of the entries a step: early means are far off, the residuals' share of the mean shrinks as 1/t
     assert errors[-1] < errors[0] / 5
+
+
+def test_error_feedback_delivers_the_exact_sum_less_the_residuals_and_the_mean_converges():
+    """Stage 1 sends v_r - w_r (v_r = x_r + the previous w_r), stage 2 sends u - s (u = the mean of stage 1 + the
+    previous s): summed over steps, what every rank received is sum_t mean_r(x_r) - mean_r(w_r) - s."""
+    _check_error_feedback_identity("topk:0.05")
 
 
 def test_sparse_formats_are_refused_where_they_would_not_average_changes(single_process):
@@ -259,22 +264,7 @@ def test_narrow_simulated_all_reduce_is_identical_everywhere(name, world, numel)
 def test_narrow_error_feedback_delivers_the_exact_sum_less_the_residuals(name):
     """As with fp32 values: summed over steps, what every rank received is the sum of the exact means less the
     mean worker residual and the server residual — now holding the quantisation's error of the chosen entries too."""
-    world, numel, steps = 4, 4000, 60
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(numel, generator=g) * (1 + 10 * torch.rand(numel, generator=g)) for _ in range(world)]
-    exact = torch.stack(xs).double().mean(0)
-    comps = [Compressor(name) for _ in range(world)]
-    fbs = [c.feedback("s", numel, torch.float32, torch.device("cpu")) for c in comps]
-    total = torch.zeros(numel, dtype=torch.float64)
-    errors = []
-    for t in range(1, steps + 1):
-        total += simulate(comps, [x.clone() for x in xs], fbs)[0].double()
-        workers = torch.stack([fb.worker.double() for fb in fbs]).mean(0)
-        chunk = comps[0].fmt.chunk_numel(numel, world)
-        servers = torch.cat([fbs[r].server_residual(chunk, world, r).double() for r in range(world)])[:numel]
-        assert torch.allclose(total, t * exact - workers - servers, rtol=0, atol=1e-4 * t)
-        errors.append(float((total / t - exact).abs().max()))
-    assert errors[-1] < errors[0] / 5
+    _check_error_feedback_identity(name)
 
 
 def test_narrow_sparse_formats_are_refused_where_topk_is(single_process):
