@@ -117,13 +117,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         action="append",
         default=[],
         metavar="LINK",
-        help="at this --link (repeatable), project ddp's time to target instead of running it there: its steps "
-        "from ddp's run without a link (table 'none'), its per-step and per-evaluation time at LINK from a run of "
-        "--project-epochs epochs beside the other rows; the row 'ddp (projected)', the table's reference "
-        "(lightning_sync/benchmark/projection.py)",
+        help="at this --link (repeatable), project ddp's time to target instead of running it there (and fsdp2's, "
+        "when it is a row): its steps from its run without a link (table 'none'), its per-step and per-evaluation "
+        "time at LINK from a run of --project-epochs epochs (or --project-steps steps) beside the other rows; the "
+        "row 'ddp (projected)', the table's reference (lightning_sync/benchmark/projection.py)",
     )
     parser.add_argument(
         "--project-epochs", type=int, default=1, help="epochs of each --project-ddp step-timing run (>= 1; default 1)"
+    )
+    parser.add_argument(
+        "--project-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time N steps instead (one epoch of N batches and its evaluation; >= 4: the first 2 are left out)",
     )
     parser.add_argument(
         "--project-measured",
@@ -235,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
             parser.error(f"--project-ddp {missing[0]}: not one of the --link values {args.link}; give it as --link too")
         if args.project_epochs < 1:
             parser.error("--project-epochs must be >= 1")
+        if args.project_steps is not None and args.project_steps < 4:
+            parser.error(f"--project-steps must be >= 4 (the first 2 steps are left out), got {args.project_steps}")
         if not 0 <= args.project_measured <= args.seeds:
             parser.error(f"--project-measured must be in 0..--seeds ({args.seeds}), got {args.project_measured}")
     if args.accelerator == "gpu" and args.cluster:
@@ -457,7 +466,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         if not any(r.label == REFERENCE and not r.error for r in rows):
             parser.error("--project-ddp projects the ddp row: add ddp to --strategies")
-        plan = ProjectionPlan(tuple(args.project_ddp), args.project_epochs, args.project_measured, tuple(grid.seeds))
+        references = tuple(x for x in LIGHTNING_ROWS if any(r.label == x and not r.error for r in rows))
+        plan = ProjectionPlan(
+            tuple(args.project_ddp),
+            args.project_epochs,
+            args.project_measured,
+            tuple(grid.seeds),
+            references=references,
+            steps=args.project_steps,
+        )
         groups = plan.groups(groups)
     if args.cluster:
         hosts, procs, rate = parse_cluster(args.cluster, parser)

@@ -20,11 +20,15 @@ from lightning_sync.benchmark.projection import (
     TIMING,
     ProjectionPlan,
     StepTiming,
+    measured_label,
+    project,
     project_records,
+    projected_label,
     projection_legend,
     step_timing,
+    timing_label,
 )
-from lightning_sync.benchmark.runs import REFERENCE, Row, RunResult
+from lightning_sync.benchmark.runs import FSDP2, REFERENCE, Row, RunResult
 from lightning_sync.benchmark.ttt import outcome
 
 WAN = "25mbit,50ms"
@@ -112,6 +116,48 @@ def test_each_group_has_its_rows():
     }
 
 
+def test_the_fsdp2_row_is_projected_beside_ddp_and_steps_time_one_short_epoch():
+    """With ``fsdp2`` compared (Lightning's FSDP2 over all ranks), both of Lightning's rows are projected, each from its
+    own runs; ``--project-steps N`` times one epoch of N batches instead of whole epochs."""
+    ddp = Row(REFERENCE, REFERENCE, "x.DDP", False)
+    fsdp = Row(FSDP2, FSDP2, "x.FSDP2", False)
+    local = Row("localsgd", "localsgd", "x.LocalSGD", True)
+    plan = ProjectionPlan((WAN,), measured=1, seeds=(0, 1), references=(REFERENCE, FSDP2), steps=6)
+    rows_of = plan.rows_for([ddp, fsdp, local])
+    assert [r.label for r in rows_of(STEPS_GROUP, 0)] == [REFERENCE, FSDP2]
+    assert [r.label for r in rows_of(WAN, 0)] == [
+        TIMING,
+        MEASURED,
+        timing_label(FSDP2),
+        measured_label(FSDP2),
+        "localsgd",
+    ]
+    assert [r.label for r in rows_of(WAN, 1)] == [TIMING, timing_label(FSDP2), "localsgd"]
+    timing = rows_of(WAN, 1)[1]
+    assert timing.strategy == FSDP2 and timing.ttt_args == {"stop": False, "record_steps": True}
+    assert timing.extra == ["--trainer.max_epochs=1", "--trainer.limit_train_batches=6"]
+    assert plan.group_labels([REFERENCE, FSDP2, "localsgd"]) == {
+        STEPS_GROUP: [REFERENCE, FSDP2],
+        WAN: [PROJECTED, MEASURED, projected_label(FSDP2), measured_label(FSDP2), "localsgd"],
+    }
+
+
+def test_a_projected_fsdp2_row_has_its_own_projection(tmp_path):
+    steps = RunResult(FSDP2, 0, STEPS_GROUP, tmp_path / "s", ok=True)
+    steps.packed = {"records": _steps_records()}
+    timing = RunResult(timing_label(FSDP2), 0, WAN, tmp_path / "t", ok=True)
+    timing.packed = {"records": _timing_records()}
+    plan = ProjectionPlan((WAN,), measured=0, seeds=(0,), references=(FSDP2,))
+    (result,) = project([steps, timing], plan, tmp_path / "out")
+    assert result.ok and result.label == projected_label(FSDP2) and result.outcome.time_s == 18.0
+    assert (tmp_path / "out" / "25mbit-50ms" / "fsdp2-projected" / "seed0" / "projection.json").exists()
+    missing = project([steps], plan, tmp_path / "out2")[0]
+    assert not missing.ok and missing.error == "projection: fsdp2's step-timing run failed: no run"
+    text = projection_legend([result])
+    assert text.startswith("fsdp2 (projected): fsdp2 (Lightning's FSDP2 over all ranks) projected the same way")
+    assert "seed 0: 1.00 s/step, 0.50 s/evaluation" in text
+
+
 def test_the_legend_says_how_and_how_far_off_the_measured_seed_is(tmp_path):
     projected = RunResult(PROJECTED, 0, WAN, tmp_path, ok=True)
     projected.packed = {"records": project_records(_steps_records(), step_timing(_timing_records()))}
@@ -194,6 +240,7 @@ def test_bad_projection_arguments_fail_before_any_run(tmp_path, capsys):
         (["--link", "100mbit", "--project-ddp", WAN], "not one of the --link values"),
         (["--link", WAN, "--project-ddp", WAN, "--project-measured", "4", "--seeds", "3"], "in 0..--seeds"),
         (["--link", WAN, "--project-ddp", WAN, "--project-epochs", "0"], "--project-epochs must be >= 1"),
+        (["--link", WAN, "--project-ddp", WAN, "--project-steps", "3"], "--project-steps must be >= 4"),
         (["--cluster", "4x25mbit,50ms"], "rate-limited only"),
         (["--link", WAN, "--project-ddp", WAN, "--strategies", "localsgd"], "add ddp to --strategies"),
     ):
@@ -214,3 +261,4 @@ def test_the_wan_link_costs_its_latency_and_the_bytes_at_its_rate():
     step = ring_allreduce_bytes(9_381_632, 4, 4)
     assert step == 56_289_792
     assert link.delay(step) == pytest.approx(0.05 + 18.0127, abs=1e-4)
+

@@ -1,4 +1,5 @@
-"""DDP's time to target at a slow link, projected rather than run (``lightning-sync compare --project-ddp LINK``).
+"""Lightning's rows' time to target at a slow link, projected rather than run (``lightning-sync compare --project-ddp
+LINK``): DDP's, and FSDP2's over all ranks (the ``fsdp2`` row) when it is in the comparison.
 
 At 25 Mbit/s a step of Lightning's DDP on ``words`` sends 56 MB a rank (the ring all-reduce of 38 MB of gradients),
 18 s of transfer: a run to the target takes the better part of an hour per seed. DDP's trajectory does not depend on
@@ -27,6 +28,13 @@ ddp (projected)``, its rows in ``summary.json`` ``"speedup_vs": "ddp (projected)
 the projected records (``time_to_target.jsonl``, its first records saying how it was made), so ``--merge`` renders it
 again. ``--project-measured N`` (default 1) also runs DDP to the target at the link for the first ``N`` seeds, the row
 ``ddp (measured)``: the table's legend states each such seed's projected and measured times and their difference.
+
+The ``fsdp2`` row (Lightning's ``ModelParallelStrategy``, FSDP2 over all ranks) is projected the same way, as
+``fsdp2 (projected)``, from its own steps run and step-timing run: its trajectory does not depend on the link
+either (its all-gathers and reduce-scatters are blocking and the same at any link; only their waits change). Its step
+at 100 Mbit/s on ``words_wide`` (issue 62) carries 480 MB a rank, 38 s: a run to the target would take an hour per
+seed. ``--project-steps N`` times N steps (one epoch of N batches and its evaluation) instead of
+``--project-epochs`` whole epochs: an epoch's start is then in ``fixed``, not spread over the steps.
 """
 
 from __future__ import annotations
@@ -49,14 +57,33 @@ __all__ = [
     "WARMUP_STEPS",
     "ProjectionPlan",
     "StepTiming",
+    "measured_label",
     "project",
     "project_records",
+    "projected_label",
     "projection_legend",
     "step_timing",
+    "timing_label",
 ]
 
+
+def projected_label(reference: str) -> str:
+    """The projected row of ``reference`` (``ddp``, ``fsdp2``): ``"ddp (projected)"``."""
+    return f"{reference} (projected)"
+
+
+def measured_label(reference: str) -> str:
+    """``reference`` run end to end at a projected link, to check the projection: ``"ddp (measured)"``."""
+    return f"{reference} (measured)"
+
+
+def timing_label(reference: str) -> str:
+    """``reference``'s step-timing run at a projected link (in no table): ``"ddp (step timing)"``."""
+    return f"{reference} (step timing)"
+
+
 #: the projected reference row, DDP run end to end at a projected link, and the step-timing runs (in no table)
-PROJECTED, MEASURED, TIMING = "ddp (projected)", "ddp (measured)", "ddp (step timing)"
+PROJECTED, MEASURED, TIMING = projected_label(REFERENCE), measured_label(REFERENCE), timing_label(REFERENCE)
 #: the group of the steps runs: DDP without a link
 STEPS_GROUP = "none"
 #: the first steps of a timing run left out of the per-step time (DDP rebuilds its buckets after the first step)
@@ -147,102 +174,145 @@ def _fields(timing: StepTiming) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ProjectionPlan:
-    """Which links project DDP, how long each step-timing run trains, and how many seeds also run DDP to the target
-    at those links (validating the projection)."""
+    """Which links project which of Lightning's rows (``references``: ``ddp``, and ``fsdp2`` when it is compared),
+    how long each step-timing run trains (``epochs`` whole epochs, or ``steps`` steps in one epoch of that many
+    batches), and how many seeds also run each reference to the target at those links (validating the projection)."""
 
     links: tuple[str, ...]
     epochs: int = 1
     measured: int = 1
     seeds: tuple[int, ...] = field(default_factory=tuple)
+    references: tuple[str, ...] = (REFERENCE,)
+    steps: int | None = None
 
     def groups(self, groups: list[tuple[str, str | None]]) -> list[tuple[str, str | None]]:
-        """The comparison's groups with the steps runs' first (fast: DDP without a link)."""
+        """The comparison's groups with the steps runs' first (fast: the references without a link)."""
         return [(STEPS_GROUP, None), *groups]
 
+    def _timing_extra(self) -> list[str]:
+        if self.steps is None:
+            return [f"--trainer.max_epochs={self.epochs}"]
+        return ["--trainer.max_epochs=1", f"--trainer.limit_train_batches={self.steps}"]
+
     def rows_for(self, rows: list[Row]) -> Callable[[str, int], list[Row]]:
-        """The rows of each (group, seed): DDP alone in the steps group; at a projected link its step-timing run in
-        its row's place (and, for the first ``measured`` seeds, DDP to the target beside it); the rows elsewhere."""
-        ref = next(r for r in rows if r.label == REFERENCE)
-        timing = replace(
-            ref,
-            label=TIMING,
-            extra=[*ref.extra, f"--trainer.max_epochs={self.epochs}"],
-            ttt_args={"stop": False, "record_steps": True},
-        )
-        measured = replace(ref, label=MEASURED)
-        others = [r for r in rows if r is not ref]
+        """The rows of each (group, seed): the references alone in the steps group; at a projected link each
+        reference's step-timing run in its row's place (and, for the first ``measured`` seeds, the reference to the
+        target beside it); the rows elsewhere."""
+        refs = [r for r in rows if r.label in self.references]
+        timings = {
+            r.label: replace(
+                r,
+                label=timing_label(r.label),
+                extra=[*r.extra, *self._timing_extra()],
+                ttt_args={"stop": False, "record_steps": True},
+            )
+            for r in refs
+        }
+        measured = {r.label: replace(r, label=measured_label(r.label)) for r in refs}
+        others = [r for r in rows if r.label not in self.references]
 
         def rows_of(group: str, seed: int) -> list[Row]:
             if group == STEPS_GROUP:
-                return [ref]
+                return refs
             if group in self.links:
-                return [timing, *([measured] if seed in self.seeds[: self.measured] else []), *others]
+                check = seed in self.seeds[: self.measured]
+                at_link = [[timings[r.label], *([measured[r.label]] if check else [])] for r in refs]
+                return [*(row for pair in at_link for row in pair), *others]
             return rows
 
         return rows_of
 
     def group_labels(self, labels: list[str]) -> dict[str, list[str]]:
-        """The rows of each group's table: DDP alone in the steps group; at a projected link the projection (and the
-        measured DDP) in DDP's place."""
-        at_link = [PROJECTED, *([MEASURED] if self.measured else []), *(x for x in labels if x != REFERENCE)]
-        return {STEPS_GROUP: [REFERENCE], **{link: list(at_link) for link in self.links}}
+        """The rows of each group's table: the references alone in the steps group; at a projected link each
+        projection (and its measured run) in its reference's place."""
+        refs = [x for x in labels if x in self.references]
+        at_link = [
+            *(y for x in refs for y in (projected_label(x), *([measured_label(x)] if self.measured else []))),
+            *(x for x in labels if x not in self.references),
+        ]
+        return {STEPS_GROUP: refs, **{link: list(at_link) for link in self.links}}
 
 
 def project(results: Sequence[RunResult], plan: ProjectionPlan, out: Path) -> list[RunResult]:
-    """A ``ddp (projected)`` result per projected link and seed, from that seed's steps run and step-timing run
-    (failed, saying why, when either failed or cannot give its numbers); each written as a run folder under ``out``
-    whose ``time_to_target.jsonl`` holds the projected records and ``projection.json`` the timing."""
+    """A ``<reference> (projected)`` result per reference, projected link and seed, from that seed's steps run and
+    step-timing run (failed, saying why, when either failed or cannot give its numbers); each written as a run folder
+    under ``out`` whose ``time_to_target.jsonl`` holds the projected records and ``projection.json`` the timing."""
     find = {(r.link, r.label, r.seed): r for r in results}
     projected: list[RunResult] = []
-    for link in plan.links:
-        for seed in plan.seeds:
-            run_dir = out / slug(link) / slug(PROJECTED) / f"seed{seed}"
-            result = RunResult(PROJECTED, seed, link, run_dir)
-            steps, timing = find.get((STEPS_GROUP, REFERENCE, seed)), find.get((link, TIMING, seed))
-            result.seconds = sum(r.seconds for r in (steps, timing) if r is not None)
-            try:
-                if steps is None or not steps.ok:
-                    raise ValueError(f"DDP's steps run without a link failed: {getattr(steps, 'error', 'no run')}")
-                if timing is None or not timing.ok:
-                    raise ValueError(f"DDP's step-timing run failed: {getattr(timing, 'error', 'no run')}")
-                measured = step_timing(timing.records)
-            except ValueError as err:
-                result.error = f"projection: {err}"
+    for ref in plan.references:
+        name = "DDP" if ref == REFERENCE else ref
+        for link in plan.links:
+            for seed in plan.seeds:
+                run_dir = out / slug(link) / slug(projected_label(ref)) / f"seed{seed}"
+                result = RunResult(projected_label(ref), seed, link, run_dir)
+                steps, timing = find.get((STEPS_GROUP, ref, seed)), find.get((link, timing_label(ref), seed))
+                result.seconds = sum(r.seconds for r in (steps, timing) if r is not None)
+                try:
+                    if steps is None or not steps.ok:
+                        raise ValueError(
+                            f"{name}'s steps run without a link failed: {getattr(steps, 'error', 'no run')}"
+                        )
+                    if timing is None or not timing.ok:
+                        raise ValueError(f"{name}'s step-timing run failed: {getattr(timing, 'error', 'no run')}")
+                    measured = step_timing(timing.records)
+                except ValueError as err:
+                    result.error = f"projection: {err}"
+                    projected.append(result)
+                    continue
+                about = {"steps_run": str(steps.run_dir), "timing_run": str(timing.run_dir), "link": link}
+                records = project_records(steps.records, measured, about)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "time_to_target.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+                (run_dir / "projection.json").write_text(json.dumps({**about, **_fields(measured)}, indent=1) + "\n")
+                result.outcome = outcome(read_records(run_dir / "time_to_target.jsonl"))
+                result.ok = True
                 projected.append(result)
-                continue
-            about = {"steps_run": str(steps.run_dir), "timing_run": str(timing.run_dir), "link": link}
-            records = project_records(steps.records, measured, about)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "time_to_target.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            (run_dir / "projection.json").write_text(json.dumps({**about, **_fields(measured)}, indent=1) + "\n")
-            result.outcome = outcome(read_records(run_dir / "time_to_target.jsonl"))
-            result.ok = True
-            projected.append(result)
     return projected
 
 
 def projection_legend(runs: Sequence[RunResult]) -> str | None:
     """What a projected table's legend says: how the projection is made, its per-step time per seed, and for each
-    seed measured end to end its projected and measured times and steps (``None`` without a projected row)."""
-    proj = {r.seed: r for r in runs if r.label == PROJECTED and r.ok and r.outcome is not None}
-    if not any(r.label == PROJECTED for r in runs):
+    seed measured end to end its projected and measured times and steps (``None`` without a projected row). A
+    projected ``fsdp2`` row (Lightning's FSDP2 over all ranks) gets the same sentences after DDP's."""
+    parts = [_legend(runs, ref) for ref in (REFERENCE, *sorted({_reference_of(r.label) for r in runs} - {REFERENCE}))]
+    text = " ".join(p for p in parts if p)
+    return text or None
+
+
+def _reference_of(label: str) -> str:
+    return label[: -len(" (projected)")] if label.endswith(" (projected)") else REFERENCE
+
+
+def _legend(runs: Sequence[RunResult], ref: str) -> str | None:
+    label, check = projected_label(ref), measured_label(ref)
+    name = "Lightning's DDP" if ref == REFERENCE else f"{ref} (Lightning's FSDP2 over all ranks)"
+    short = "DDP" if ref == REFERENCE else ref
+    proj = {r.seed: r for r in runs if r.label == label and r.ok and r.outcome is not None}
+    if not any(r.label == label for r in runs):
         return None
     timings = []
     for seed, r in sorted(proj.items()):
         about = next((x for x in r.records if x.get("event") == "projection"), {})
         if "step_s" in about:
             timings.append(f"seed {seed}: {about['step_s']:.2f} s/step, {about['eval_s']:.2f} s/evaluation")
-    text = (
-        f"{PROJECTED}: Lightning's DDP not run to the target at this link; its time per seed is projected as fixed + "
-        f"S x step + K x eval (S, K: the steps and evaluations to the target of DDP's run of the same seed without a "
-        f"link, table '{STEPS_GROUP}' — DDP's trajectory does not depend on the link; step, eval, fixed: measured at "
-        f"this link, in this compare, by a run of DDP for --project-epochs epochs, its first {WARMUP_STEPS} steps "
-        f"left out of the per-step time: {'; '.join(timings) or 'none'}). Its bytes are the run without a link's, its "
-        "blocked seconds the timing run's per step times S. Speedups in this table are against the projection."
-    )
+    if ref == REFERENCE:
+        text = (
+            f"{label}: {name} not run to the target at this link; its time per seed is projected as fixed + "
+            f"S x step + K x eval (S, K: the steps and evaluations to the target of DDP's run of the same seed "
+            f"without a link, table '{STEPS_GROUP}' — DDP's trajectory does not depend on the link; step, eval, "
+            f"fixed: measured at this link, in this compare, by a run of DDP for --project-epochs epochs (or "
+            f"--project-steps steps), its first {WARMUP_STEPS} steps left out of the per-step time: "
+            f"{'; '.join(timings) or 'none'}). Its bytes are the run without a link's, its blocked seconds the timing "
+            "run's per step times S. Speedups in this table are against the projection."
+        )
+    else:
+        text = (
+            f"{label}: {name} projected the same way, from its own run without a link and its own step timing "
+            f"at this link: {'; '.join(timings) or 'none'}."
+        )
     checks = []
     for r in runs:
-        if r.label != MEASURED:
+        if r.label != check:
             continue
         p = proj.get(r.seed)
         if not (r.ok and r.outcome is not None and r.outcome.reached and p is not None and p.outcome is not None):
@@ -255,5 +325,7 @@ def projection_legend(runs: Sequence[RunResult]) -> str | None:
             f"{p.outcome.steps:.0f} projected"
         )
     if checks:
-        text += f" {MEASURED}: DDP run to the target at this link, to check the projection — " + "; ".join(checks) + "."
+        text += (
+            f" {check}: {short} run to the target at this link, to check the projection — " + "; ".join(checks) + "."
+        )
     return text
