@@ -261,4 +261,3 @@ def test_the_wan_link_costs_its_latency_and_the_bytes_at_its_rate():
     step = ring_allreduce_bytes(9_381_632, 4, 4)
     assert step == 56_289_792
     assert link.delay(step) == pytest.approx(0.05 + 18.0127, abs=1e-4)
-
