@@ -261,3 +261,33 @@ def test_the_wan_link_costs_its_latency_and_the_bytes_at_its_rate():
     step = ring_allreduce_bytes(9_381_632, 4, 4)
     assert step == 56_289_792
     assert link.delay(step) == pytest.approx(0.05 + 18.0127, abs=1e-4)
+
+
+def test_the_fsdp2_row_is_projected_end_to_end_from_a_short_step_timing(tmp_path):
+    """``--strategies ddp,fsdp2 --project-ddp LINK --project-steps 4`` on ``demo`` (the small words model, which
+    shards itself for the fsdp2 row; 2 ranks, 1 seed, an easy target met at the first evaluation, step 25): both of
+    Lightning's rows run without a link and are timed over one epoch of 4 steps at the link; both projected rows are
+    in the table, the projected fsdp2's steps and bytes its run without a link's, its time the formula's over its own
+    timing run. (No ``--trainer.max_epochs`` / ``limit_train_batches`` here: a pass-through one would override the
+    timing run's own, as it overrides every row's arguments.)"""
+    from lightning_sync.benchmark.ttt import read_records
+    from lightning_sync.compare import main as compare_main
+
+    out = tmp_path / "out"
+    argv = ["--workload", "demo", "--strategies", "ddp,fsdp2", "--devices", "2", "--seeds", "1", "--out", str(out)]
+    argv += ["--link", WAN, "--project-ddp", WAN, "--project-steps", "4", "--project-measured", "0"]
+    argv += ["--target", "1e9", "--trainer.limit_val_batches=1"]
+    result = compare_main(argv)
+    assert [row["method"] for row in result["tables"][WAN]] == [PROJECTED, projected_label(FSDP2)]
+    assert [row["method"] for row in result["tables"][STEPS_GROUP]] == [REFERENCE, FSDP2]
+    runs = {(r.link, r.label): r for r in result["runs"]}
+    timing = runs[(WAN, timing_label(FSDP2))]
+    records = read_records(timing.run_dir / "time_to_target.jsonl")
+    end = next(r for r in records if r["event"] == "end")
+    assert timing.ok and len(end["step_wall_s"]) == 4 and end["comm"]["bytes_fsdp_all_gather"] > 0
+    proj, steps = runs[(WAN, projected_label(FSDP2))], runs[(STEPS_GROUP, FSDP2)]
+    assert proj.ok and proj.outcome.steps == steps.outcome.steps == 25  # the target met at the first evaluation
+    assert proj.outcome.bytes_per_rank == steps.outcome.bytes_per_rank
+    assert proj.outcome.time_s == pytest.approx(step_timing(records).at(25, 1), rel=1e-12)
+    table = (out / "25mbit-50ms" / "table.md").read_text()
+    assert "fsdp2 (projected): fsdp2 (Lightning's FSDP2 over all ranks) projected the same way" in table
