@@ -91,9 +91,7 @@ def _suite(rank: int, out_dir: str) -> None:
             "ref_bytes": [ref.comm_stats.bytes_sent["params"], ref.comm_stats.bytes_sent["final"]],
             # one flat group (one dtype, one device): the parameters compressed, the floating buffers exact
             "numel": sum(t.numel() for t in tr.lightning_module.parameters()),
-            "buffers": [
-                (b.numel(), b.element_size()) for b in tr.lightning_module.buffers() if b.is_floating_point()
-            ],
+            "buffers": [(b.numel(), b.element_size()) for b in tr.lightning_module.buffers() if b.is_floating_point()],
         }
     # 3. the shared path on the periodic family: outer lr 1 reproduces plain averaging bit for bit (ADPSGD's S_k is
     #    measured against the mean before the outer step, so its periods are the same too; FedAvg averages one of the

@@ -108,7 +108,7 @@ def test_each_group_has_its_rows():
     assert [r.label for r in rows_of(WAN, 0)] == [TIMING, MEASURED, "localsgd"]  # the first seed checks
     assert [r.label for r in rows_of(WAN, 1)] == [TIMING, "localsgd"]
     timing = rows_of(WAN, 1)[0]
-    assert timing.ttt_args == {"stop": False, "record_steps": True} and "--trainer.max_epochs=2" in timing.extra
+    assert timing.ttt_args == {"stop": False, "record_steps": True} and timing.last == ["--trainer.max_epochs=2"]
     assert ddp.ttt_args == {} and ddp.extra == []  # the reference row itself is untouched
     assert plan.group_labels([REFERENCE, "localsgd"]) == {
         STEPS_GROUP: [REFERENCE],
@@ -135,7 +135,7 @@ def test_the_fsdp2_row_is_projected_beside_ddp_and_steps_time_one_short_epoch():
     assert [r.label for r in rows_of(WAN, 1)] == [TIMING, timing_label(FSDP2), "localsgd"]
     timing = rows_of(WAN, 1)[1]
     assert timing.strategy == FSDP2 and timing.ttt_args == {"stop": False, "record_steps": True}
-    assert timing.extra == ["--trainer.max_epochs=1", "--trainer.limit_train_batches=6"]
+    assert timing.extra == [] and timing.last == ["--trainer.max_epochs=1", "--trainer.limit_train_batches=6"]
     assert plan.group_labels([REFERENCE, FSDP2, "localsgd"]) == {
         STEPS_GROUP: [REFERENCE, FSDP2],
         WAN: [PROJECTED, MEASURED, projected_label(FSDP2), measured_label(FSDP2), "localsgd"],
@@ -268,15 +268,15 @@ def test_the_fsdp2_row_is_projected_end_to_end_from_a_short_step_timing(tmp_path
     shards itself for the fsdp2 row; 2 ranks, 1 seed, an easy target met at the first evaluation, step 25): both of
     Lightning's rows run without a link and are timed over one epoch of 4 steps at the link; both projected rows are
     in the table, the projected fsdp2's steps and bytes its run without a link's, its time the formula's over its own
-    timing run. (No ``--trainer.max_epochs`` / ``limit_train_batches`` here: a pass-through one would override the
-    timing run's own, as it overrides every row's arguments.)"""
+    timing run. A pass-through ``--trainer.max_epochs=2`` is the budget of every other run, not the timing run's: its
+    own length (one epoch of 4 batches) comes after and wins."""
     from lightning_sync.benchmark.ttt import read_records
     from lightning_sync.compare import main as compare_main
 
     out = tmp_path / "out"
     argv = ["--workload", "demo", "--strategies", "ddp,fsdp2", "--devices", "2", "--seeds", "1", "--out", str(out)]
     argv += ["--link", WAN, "--project-ddp", WAN, "--project-steps", "4", "--project-measured", "0"]
-    argv += ["--target", "1e9", "--trainer.limit_val_batches=1"]
+    argv += ["--target", "1e9", "--trainer.limit_val_batches=1", "--trainer.max_epochs=2"]
     result = compare_main(argv)
     assert [row["method"] for row in result["tables"][WAN]] == [PROJECTED, projected_label(FSDP2)]
     assert [row["method"] for row in result["tables"][STEPS_GROUP]] == [REFERENCE, FSDP2]

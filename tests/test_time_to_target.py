@@ -278,6 +278,11 @@ def test_the_overlay_of_a_run_sets_its_seed_strategy_link_and_recorder(tmp_path)
         tmp_path / "base.yaml", tmp_path / "overlay.yaml", make_row("selsync", ["delta=0.1"]), tmp_path, ["--a=1"]
     )
     assert cmd[-2:] == ["--trainer.strategy.init_args.delta=0.1", "--a=1"] and "--test_after_fit=false" in cmd
+    # a row's ``last`` arguments come after compare's pass-through ones and win over them (a step-timing run's length)
+    timing = make_row("ddp")
+    timing.last = ["--trainer.max_epochs=1"]
+    cmd = build_command(tmp_path / "b.yaml", tmp_path / "o.yaml", timing, tmp_path, ["--trainer.max_epochs=5"])
+    assert cmd[-2:] == ["--trainer.max_epochs=5", "--trainer.max_epochs=1"]
 
 
 def _script(name: str):

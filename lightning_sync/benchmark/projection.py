@@ -203,7 +203,7 @@ class ProjectionPlan:
             r.label: replace(
                 r,
                 label=timing_label(r.label),
-                extra=[*r.extra, *self._timing_extra()],
+                last=self._timing_extra(),  # after compare's pass-through --trainer.*: the timing run's length wins
                 ttt_args={"stop": False, "record_steps": True},
             )
             for r in refs

@@ -111,6 +111,9 @@ class Row:
     #: further ``TimeToTarget`` arguments for this row's runs (``compare --project-ddp``'s step-timing runs:
     #: ``stop=False``, ``record_steps=True``)
     ttt_args: dict[str, Any] = field(default_factory=dict)
+    #: ``fit`` arguments after ``compare``'s pass-through ones, so that they win over them (a step-timing run's
+    #: length: ``--trainer.max_epochs=1 --trainer.limit_train_batches=N``)
+    last: list[str] = field(default_factory=list)
 
 
 def make_row(
@@ -307,7 +310,7 @@ def build_command(base_config: Path, overlay_path: Path, row: Row, run_dir: Path
         f"--summary_json={run_dir / 'summary.json'}",
     ]
     cmd += [f"--trainer.strategy.init_args.{arg}" for arg in row.cli_args]
-    return cmd + list(row.extra) + list(extra)
+    return cmd + list(row.extra) + list(extra) + list(row.last)
 
 
 # ---------------------------------------------------------------------------------------------- running
