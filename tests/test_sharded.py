@@ -609,14 +609,16 @@ def test_sharded_needs_replica_size_and_refuses_what_it_cannot_run_with():
     # FSDP2's collectives inside a sharded replica are counted and emulated on intra_link (no longer refused)
     assert LocalSGDStrategy(sharded=True, replica_size=2, intra_link="10gbit").intra_link is not None
     ft = FaultTolerance(lighthouse="http://localhost:29510", replica_group=0, replica_groups=2)
-    # fault-tolerant sharded groups: local SGD and DiLoCo (plain, streaming); the others say what runs instead
+    # fault-tolerant sharded groups: BSP, local SGD and DiLoCo (plain, streaming); the others say what runs instead
     assert LocalSGDStrategy(sharded=True, replica_size="node", fault_tolerance=ft).fault_tolerance is ft
     assert DiLoCoStrategy(sharded=True, replica_size=2, fragments=2, delay=1, fault_tolerance=ft).sharded
-    for cls in (BSPStrategy, FedAvgStrategy, ADPSGDStrategy):
+    assert BSPStrategy(sharded=True, replica_size="node", fault_tolerance=ft).fault_tolerance is ft
+    for cls in (FedAvgStrategy, ADPSGDStrategy):
         with pytest.raises(
             ValueError,
             match=rf"{cls.__name__}\(sharded=True, fault_tolerance=...\) is not supported: fault-tolerant sharded "
-            rf"replica groups .* Use LocalSGDStrategy or DiLoCoStrategy with sharded=True and fault_tolerance, or "
+            rf"replica groups .* Use BSPStrategy or LocalSGDStrategy or DiLoCoStrategy with sharded=True and "
+            rf"fault_tolerance, or "
             rf"{cls.__name__} with fault_tolerance and sharded=False",
         ):
             cls(sharded=True, replica_size=2, fault_tolerance=ft)

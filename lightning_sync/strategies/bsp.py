@@ -52,6 +52,8 @@ class BSPStrategy(SyncStrategy):
     fault_tolerance_refusal = None  # a quorum at every step's end, the gradients averaged over it (ft_topology.py)
     strategy_description = "Bulk-synchronous parallel: gradient all-reduce every step, counted by lightning_sync"
     sharded_refusal = None  # FSDP2 inside the replica, the local gradient shards averaged between (HSDP)
+    #: sharded groups fault-tolerant: every rank's local gradient shard over its shard index's quorum, every step
+    sharded_fault_tolerance_refusal = None
     replicas_diverge = False  # identical gradients every step keep parameters and momentum identical
 
     def __init__(

@@ -50,7 +50,7 @@ fraction drawn among the quorum's members), ADPSGD (its statistic all-reduced in
 step that does not commit is not applied — :meth:`~lightning_sync.strategies.ft_topology.FaultTolerantTopology
 .average_grads`). Refused, with the reason, at construction:
 every other strategy (:attr:`~lightning_sync.strategies.SyncStrategy.fault_tolerance_refusal`), compression, data
-injection, sharded groups of BSP, FedAvg and ADPSGD (not built yet: ``sharded_fault_tolerance_refusal``), and (at
+injection, sharded groups of FedAvg and ADPSGD (not built yet: ``sharded_fault_tolerance_refusal``), and (at
 setup) sharded groups with different shard counts, ``accumulate_grad_batches > 1`` and a group of several processes
 that are not one replica (``replica_size`` other than ``"node"`` or the group's size).
 """

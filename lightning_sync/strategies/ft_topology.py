@@ -470,7 +470,11 @@ class FaultTolerantTopology(Topology):
         previous step's end, so a restarted group healed there — and committed. A step that does not commit (a group
         was lost mid-all-reduce, fewer than ``min_replicas``) is not applied: the gradients are dropped, so the
         optimizer leaves the parameters and its state as they were, and the buffers keep this group's values; a
-        group that missed a commit its peers made is behind at the next quorum and takes a peer's state there."""
+        group that missed a commit its peers made is behind at the next quorum and takes a peer's state there.
+
+        A sharded group: ``within`` left FSDP2's averaged local gradient shards packed in the flat gradient buffer;
+        each rank all-reduces its own over its shard index's quorum, and a commit writes them back into FSDP2's
+        gradients (a step that does not commit drops them, as above)."""
         s = self.strategy
         tensors = self.within.average_grads(tag, comm)
         self._current_quorum()
@@ -482,6 +486,7 @@ class FaultTolerantTopology(Topology):
         committed = self._commit(grads, None, dropped="the step's update")
         if committed:
             s.flat.unstage_buffers()
+            s.flat.unpack_grads()  # sharded: into FSDP2's gradients (nothing otherwise: they are views of the buffer)
         else:
             s.flat.drop_grads()
         if s.verify_sync:  # across the groups (the strategy's own check covers this group's processes)

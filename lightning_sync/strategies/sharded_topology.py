@@ -28,7 +28,7 @@ momentum) lives on the local shard as well. The flat state packs the local shard
 
 The parameter-server family (ASP, SSP, ALADDIN), OSP and Sync-Switch refuse ``sharded=True`` at construction, each
 saying why (``sharded_refusal``) and naming the methods that run sharded. **Fault-tolerant** sharded groups
-(``fault_tolerance=...``): local SGD and DiLoCo, this topology as the group's own layout inside
+(``fault_tolerance=...``): BSP, local SGD and DiLoCo, this topology as the group's own layout inside
 :class:`~lightning_sync.strategies.ft_topology.FaultTolerantTopology` (every rank a member of its shard index's
 torchft quorum); the other methods refuse it (``sharded_fault_tolerance_refusal``).
 
@@ -108,11 +108,11 @@ SHARDED_METHODS = (
 )
 
 #: the methods whose sharded replica groups run fault-tolerant (``sharded_fault_tolerance_refusal = None``)
-SHARDED_FT_METHODS = ("LocalSGDStrategy", "DiLoCoStrategy")
+SHARDED_FT_METHODS = ("BSPStrategy", "LocalSGDStrategy", "DiLoCoStrategy")
 #: why a method that does not declare ``sharded_fault_tolerance_refusal = None`` refuses sharded fault tolerance
 SHARDED_FT_NOT_BUILT = (
     "fault-tolerant sharded replica groups (a torchft Manager per rank, one quorum per shard index) are built for "
-    "the parameter averages of local SGD and DiLoCo only; this method's other syncs (every step's gradients, a "
+    "BSP's gradient average and the parameter averages of local SGD and DiLoCo only; this method's other syncs (a "
     "participants' draw, a statistic between groups) are not built or tested on them yet."
 )
 
@@ -132,8 +132,8 @@ CONFIGURE_MODEL = (
 def check_sharded(strategy: Any, sharded: Any, replica_size: Any, fault_tolerance: Any) -> bool:
     """At construction: ``sharded`` is a bool; ``True`` needs ``replica_size`` and a method that runs sharded (its
     ``sharded_refusal`` is ``None``, and it runs with replica groups) and refuses ``fault_tolerance`` unless the
-    method runs fault-tolerant sharded groups (its ``sharded_fault_tolerance_refusal`` is ``None``: local SGD,
-    DiLoCo), saying why and what to use instead."""
+    method runs fault-tolerant sharded groups (its ``sharded_fault_tolerance_refusal`` is ``None``: BSP, local
+    SGD, DiLoCo), saying why and what to use instead."""
     check_bool("sharded", sharded)
     if not sharded:
         return False
