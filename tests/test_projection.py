@@ -88,6 +88,16 @@ def test_the_projection_puts_every_evaluation_at_its_projected_time():
     assert all(r["eval_s"] == 0.5 and r["projected"] for r in evals)
     assert [r["comm"]["blocked_s"] for r in evals] == [2.0, 4.0, 6.0]  # 0.5 s blocked a step at the link
     assert all(r["comm"]["bytes_sent"] == 1000.0 for r in evals)  # the same steps send the same bytes
+    # records that say how long each evaluation blocked (FSDP2's all-gathers to evaluate): that part is left out of
+    # the per-step figure and added per evaluation, so a projected row's blocked time is not inflated by them
+    timed = _timing_records()
+    for r in timed:
+        if r["event"] == "eval":
+            r["eval_blocked_s"] = 0.4
+    split = step_timing(timed)
+    assert (split.blocked_per_step_s, split.eval_blocked_s) == pytest.approx((3.2 / 8, 0.4))
+    evals = [r for r in project_records(_steps_records(), split) if r["event"] == "eval"]
+    assert [r["comm"]["blocked_s"] for r in evals] == pytest.approx([4 * 0.4 + 0.4, 8 * 0.4 + 0.8, 12 * 0.4 + 1.2])
     o = outcome(records)
     assert o.reached and o.time_s == 18.0 and o.steps == 12 and o.eval_s == 1.5
     assert records[-1]["wall_s"] == 18.0  # the end: after the third evaluation
@@ -178,7 +188,7 @@ def projected(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("projection")
     argv = ["--workload", "digits", "--strategies", "ddp,localsgd", "--devices", "2", "--seeds", "1"]
-    argv += ["--link", WAN, "--project-ddp", WAN, "--target", "0.4", "--out", str(out)]
+    argv += ["--link", WAN, "--project-ddp", WAN, "--project-epochs", "3", "--target", "0.4", "--out", str(out)]
     argv += ["--trainer.max_epochs=3", "--trainer.limit_train_batches=4"]
     return out, compare_main(argv)
 

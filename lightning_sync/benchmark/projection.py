@@ -99,7 +99,10 @@ class StepTiming:
     fixed_s: float  #: setup and the first steps' excess over ``step_s``
     steps: int  #: steps the run trained
     evaluations: int
-    blocked_per_step_s: float  #: rank 0's blocked seconds over the run, per step
+    blocked_per_step_s: float  #: rank 0's blocked seconds over the run's steps (its evaluations' left out), per step
+    #: rank 0's blocked seconds per evaluation (0 where the records do not say: those of an earlier version, whose
+    #: ``blocked_per_step_s`` then includes the evaluations')
+    eval_blocked_s: float = 0.0
 
     def at(self, steps: float, evaluations: int) -> float:
         """Projected wall seconds at the end of the ``evaluations``-th evaluation, after ``steps`` steps."""
@@ -123,13 +126,17 @@ def step_timing(records: Sequence[dict[str, Any]], warmup: int = WARMUP_STEPS) -
     before = sum(float(e["eval_s"]) for e in evals if int(e["step"]) < warmup)
     step_s = (t[n - 1] - t[warmup - 1] - inside) / (n - warmup)
     blocked = float(end.get("comm", {}).get("blocked_s", math.nan))
+    in_evals = [float(e["eval_blocked_s"]) for e in evals if math.isfinite(float(e.get("eval_blocked_s", math.nan)))]
+    if len(in_evals) != len(evals):
+        in_evals = []  # records of an earlier version: the evaluations' blocked time stays in the per-step figure
     return StepTiming(
         step_s=step_s,
         eval_s=sum(float(e["eval_s"]) for e in evals) / len(evals),
         fixed_s=t[warmup - 1] - warmup * step_s - before,
         steps=n,
         evaluations=len(evals),
-        blocked_per_step_s=blocked / n,
+        blocked_per_step_s=(blocked - sum(in_evals)) / n,
+        eval_blocked_s=sum(in_evals) / len(in_evals) if in_evals else 0.0,
     )
 
 
@@ -137,7 +144,8 @@ def project_records(
     steps_records: Sequence[dict[str, Any]], timing: StepTiming, about: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """The steps run's records at the link: every evaluation (and the end) at its projected wall time, each
-    evaluation's seconds the timing run's mean, blocked seconds the timing run's per step times the steps; the bytes
+    evaluation's seconds the timing run's mean, blocked seconds the timing run's per step times the steps plus its
+    per evaluation times the evaluations; the bytes
     are the steps run's (the same steps send the same bytes at any link). A ``projection`` record after ``start``
     says how (``about``: where its inputs are)."""
     out: list[dict[str, Any]] = []
@@ -151,7 +159,8 @@ def project_records(
             continue
         j += event == "eval"
         step = float(record["step"])
-        comm = dict(record.get("comm", {}), blocked_s=timing.blocked_per_step_s * step)
+        blocked = timing.blocked_per_step_s * step + timing.eval_blocked_s * j
+        comm = dict(record.get("comm", {}), blocked_s=blocked)
         projected = dict(record, wall_s=timing.at(step, j), comm=comm, projected=True)
         if event == "eval":
             projected["eval_s"] = timing.eval_s
@@ -168,6 +177,7 @@ def _fields(timing: StepTiming) -> dict[str, Any]:
         "timed_evaluations": timing.evaluations,
         "warmup_steps": WARMUP_STEPS,
         "blocked_per_step_s": timing.blocked_per_step_s,
+        "eval_blocked_s": timing.eval_blocked_s,
         "formula": "wall_s = fixed_s + step * step_s + j * eval_s at the j-th evaluation",
     }
 
@@ -303,7 +313,7 @@ def _legend(runs: Sequence[RunResult], ref: str) -> str | None:
             f"fixed: measured at this link, in this compare, by a run of DDP for --project-epochs epochs (or "
             f"--project-steps steps), its first {WARMUP_STEPS} steps left out of the per-step time: "
             f"{'; '.join(timings) or 'none'}). Its bytes are the run without a link's, its blocked seconds the timing "
-            "run's per step times S. Speedups in this table are against the projection."
+            "run's per step times S plus its per evaluation times K. Speedups in this table are against the projection."
         )
     else:
         text = (

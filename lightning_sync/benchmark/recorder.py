@@ -53,9 +53,11 @@ class TimeToTarget(Callback):
 
     * ``{"event": "start", "metric", "target", "mode", "seed", "world_size", "strategy"}`` at setup;
     * ``{"event": "data", "first_batch": digest}`` at the first training batch (tells data orders apart);
-    * ``{"event": "eval", "epoch", "step", "wall_s", "eval_s", "value", "reached", "metrics", "comm"}`` at the end of
-      every evaluation (not the sanity check): ``comm`` is the strategy's ``sync_metrics()`` then (bytes sent,
-      blocked seconds, LSSR, ... — every strategy of the pack and ``CountedDDPStrategy`` have it);
+    * ``{"event": "eval", "epoch", "step", "wall_s", "eval_s", "value", "reached", "metrics", "comm",
+      "eval_blocked_s"}`` at the end of every evaluation (not the sanity check): ``comm`` is the strategy's
+      ``sync_metrics()`` then (bytes sent, blocked seconds, LSSR, ... — every strategy of the pack and
+      ``CountedDDPStrategy`` have it), ``eval_blocked_s`` the blocked seconds during the evaluation (FSDP2's
+      all-gathers to evaluate; NaN without ``blocked_s``);
     * ``{"event": "end", "wall_s", "step", "reached", "comm", "memory"}`` when training ends: ``memory`` is rank 0's
       training state in bytes (parameters, gradients, optimizer and outer-optimizer state, local shards under FSDP2)
       and its peak resident set size (:class:`~lightning_sync.benchmark.memory.MemoryCount`); with ``record_steps`` also
@@ -99,6 +101,7 @@ class TimeToTarget(Callback):
         self._last_step = 0
         self._t0 = time.perf_counter()
         self._eval_started: float | None = None
+        self._blocked_at_eval_start = math.nan  # rank 0's blocked seconds when the evaluation began
         self._reached_at: float | None = None
         self._saw_batch = False
         self._file: Path | None = None
@@ -174,6 +177,7 @@ class TimeToTarget(Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_started = time.perf_counter()
+        self._blocked_at_eval_start = self._comm(trainer).get("blocked_s", math.nan)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -202,7 +206,8 @@ class TimeToTarget(Callback):
                 "reached": bool(reached),
                 "first": bool(first),
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")},
-                "comm": self._comm(trainer),
+                "comm": (comm := self._comm(trainer)),
+                "eval_blocked_s": comm.get("blocked_s", math.nan) - self._blocked_at_eval_start,
             },
         )
         if reached and self.stop:
