@@ -24,7 +24,9 @@ What is held here:
   bit-identical to the uninterrupted fit; each rank's part holds its local shards, the main file the whole model (a
   plain state dict the unsharded module loads); ``trainer.validate`` after fit and from that file (the module's own
   values zeroed first) gives the whole model's loss; after a fit that ends with the replicas apart, every replica
-  evaluates replica 0's model.
+  evaluates replica 0's model. With ``save_distributed_checkpoint=True`` (a DCP directory) the same fits, and fits
+  resumed from a directory, are bit-identical; validate from a directory gives the whole model's loss; Lightning's
+  ``consolidate_checkpoint`` of a directory gives the main file's whole model.
 * **FSDP2's own traffic counted**: ``compare``'s ``fsdp2`` row (``CountedFSDP2Strategy``) is Lightning's
   ``ModelParallelStrategy`` bit for bit, its all-gathers and reduce-scatters counted exactly; inside a sharded
   replica the same traffic is counted as ``intra/fsdp_*``.
@@ -261,8 +263,8 @@ def _suite(rank: int, out_dir: str) -> None:
     # 3. checkpoints: each rank's part holds its local shards, the main file the whole model; a resume from the end
     # of the first epoch (mid-period: local SGD syncs after steps 0 and 5, DiLoCo after 2, 5, 8) continues exactly
     resumable = {
-        "localsgd": lambda: LocalSGDStrategy(period=5, sharded=True, **kw),
-        "diloco": lambda: DiLoCoStrategy(sync_every=3, outer_optimizer=outer, sharded=True, **kw),
+        "localsgd": lambda **extra: LocalSGDStrategy(period=5, sharded=True, **kw, **extra),
+        "diloco": lambda **extra: DiLoCoStrategy(sync_every=3, outer_optimizer=outer, sharded=True, **kw, **extra),
     }
     for method, make in resumable.items():
         ckpt = ModelCheckpoint(dirpath=out / f"ckpt_{method}", every_n_epochs=1, save_top_k=-1, filename="{epoch}")
@@ -287,6 +289,24 @@ def _suite(rank: int, out_dir: str) -> None:
             res["predict_max_diff"] = float((predictions - mine).abs().max())
         fit(f"{method}_resumed", make(), lambda: MLP("shard"), ckpt_path=str(out / f"ckpt_{method}" / "epoch=0.ckpt"),
             **epochs)  # fmt: skip
+
+    # the same fits with distributed checkpoints (a directory in DCP's format; save_last overwrites last.ckpt each
+    # epoch), and each resumed from its first epoch's directory; for local SGD, validate from the last one
+    for method, make in resumable.items():
+        dirpath = out / f"dcp_{method}"
+        ckpt = ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=-1, filename="{epoch}", save_last=True)
+        epochs = dict(max_epochs=3, limit_train_batches=4, enable_checkpointing=True)
+        tr = fit(f"{method}_dcp_whole", make(save_distributed_checkpoint=True), lambda: MLP("shard"), [ckpt], **epochs)
+        if method == "localsgd":
+            model = tr.lightning_module
+            tr.limit_val_batches = 1.0
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.to_local().zero_()
+            from_dir = tr.validate(model, loader(), ckpt_path=str(dirpath / "epoch=2.ckpt"), verbose=False)
+            res["validate"]["from_dcp"] = from_dir[0]["val_loss"]
+        fit(f"{method}_dcp_resumed", make(save_distributed_checkpoint=True), lambda: MLP("shard"),
+            ckpt_path=str(dirpath / "epoch=0.ckpt"), **epochs)  # fmt: skip
 
     # evaluation after a fit whose replicas differ at the end (no average_at_end): every replica takes replica 0's
     # (K steps: the last sync after step 8, step 9 local)
@@ -530,6 +550,55 @@ def test_a_resumed_sharded_fit_is_bit_identical_to_the_uninterrupted_one(suite, 
     assert not torch.equal(first["net.0.weight"], _load(out, f"{method}_whole", 0)["net.0.weight"])
 
 
+@pytest.mark.parametrize("method", ["localsgd", "diloco"])
+def test_distributed_checkpoints_change_nothing_and_a_fit_resumed_from_one_is_bit_identical(suite, method):
+    """``save_distributed_checkpoint=True``: the fit that saves directories is the fit that saves files, bit for bit,
+    and a fit resumed from its first epoch's directory (mid-period; DiLoCo's outer momentum in the parts) ends where
+    the uninterrupted one does."""
+    out, _ = suite
+    for rank in range(WORLD):
+        whole = _load(out, f"{method}_whole", rank)
+        for name in (f"{method}_dcp_whole", f"{method}_dcp_resumed"):
+            other = _load(out, name, rank)
+            assert whole.keys() == other.keys()
+            assert all(torch.equal(whole[k], other[k]) for k in whole), f"{name}, rank {rank}"
+
+
+def test_a_distributed_checkpoint_is_a_dcp_directory_that_lightning_consolidates_into_the_whole_model(suite):
+    """Each rank's part names its shards by reference (no tensor of the model in it); ``last.ckpt``, overwritten at
+    every epoch, is the last epoch's with nothing left over; Lightning's own consolidation of a directory gives, under
+    ``state_dict``, the whole global model the file format's main file holds, bit for bit."""
+    import subprocess
+    import sys
+
+    from lightning_sync.comm.dcp import SHARD_REF
+
+    out, _ = suite
+    directory = out / "dcp_localsgd" / "epoch=0.ckpt"
+    names = sorted(p.name for p in directory.iterdir())
+    assert {".metadata", "meta.pt"} <= set(names)
+    assert [n for n in names if n.startswith("rank")] == [f"rank{r}.pt" for r in range(WORLD)]
+    assert all(n.endswith(".distcp") for n in names if n not in {".metadata", "meta.pt"} and not n.startswith("rank"))
+    assert sorted(p.name for p in (out / "dcp_localsgd").iterdir()) == [f"epoch={e}.ckpt" for e in range(3)] + [
+        "last.ckpt"
+    ]  # no temporary directory left, no file beside the directories
+    last = torch.load(out / "dcp_localsgd" / "last.ckpt" / "meta.pt", weights_only=True)
+    assert last["epoch"] == 2 and "state_dict" not in last and "optimizer_states" not in last
+    for rank in range(WORLD):
+        part = torch.load(directory / f"rank{rank}.pt", weights_only=True)
+        ref = part["state_dict"]["net.0.weight"]
+        assert ref[SHARD_REF] == f"replica{rank // SHARDS}.['state_dict']['net.0.weight']"
+        assert ref["shape"] == (SIZES[1], SIZES[0]) and ref["local_shape"] == (SIZES[1] // SHARDS, SIZES[0])
+        assert part["optimizer_states"][0]["state"][0]["momentum_buffer"][SHARD_REF].startswith(f"replica{rank // 2}.")
+    consolidated = out / "dcp_localsgd_epoch0.consolidated"
+    subprocess.run([sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(directory),
+                    "--output_file", str(consolidated)], check=True)  # fmt: skip
+    whole = torch.load(consolidated, weights_only=False)["state_dict"]
+    main = torch.load(out / "ckpt_localsgd" / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    assert whole.keys() == main.keys()
+    assert all(torch.equal(whole[k], main[k]) for k in main)
+
+
 @pytest.fixture
 def ckpt_dir(suite):
     return suite[0] / "ckpt_localsgd"
@@ -566,6 +635,7 @@ def test_evaluation_outside_fit_sees_the_whole_model_after_fit_and_from_the_chec
         v = r["validate"]
         assert v["after_fit"] == pytest.approx(v["reference"], rel=1e-12, abs=0)
         assert v["from_ckpt"] == pytest.approx(v["reference"], rel=1e-12, abs=0)
+        assert v["from_dcp"] == pytest.approx(v["reference"], rel=1e-12, abs=0)  # save_distributed_checkpoint
         assert r["predict_max_diff"] < 1e-12  # trainer.predict after the checkpoint's validate: the same model
 
 
@@ -628,6 +698,22 @@ def test_sharded_needs_replica_size_and_refuses_what_it_cannot_run_with():
         LocalSGDStrategy(sharded="yes", replica_size=2)
     assert LocalSGDStrategy(sharded=True, replica_size="node").sharded
     assert DiLoCoStrategy(sharded=True, replica_size=2).sharded
+
+
+def test_save_distributed_checkpoint_needs_sharded_replicas_without_fault_tolerance():
+    from lightning_sync import DiLoCoStrategy, LocalSGDStrategy
+    from lightning_sync.strategies.fault_tolerance import FaultTolerance
+
+    with pytest.raises(ValueError, match=r"save_distributed_checkpoint=True needs sharded=True.*use "
+                       r"save_distributed_checkpoint=False"):  # fmt: skip
+        LocalSGDStrategy(replica_size=2, save_distributed_checkpoint=True)
+    ft = FaultTolerance(lighthouse="http://localhost:29510", replica_group=0, replica_groups=2)
+    with pytest.raises(ValueError, match=r"save_distributed_checkpoint=True is not supported with fault_tolerance"):
+        DiLoCoStrategy(sharded=True, replica_size=2, fault_tolerance=ft, save_distributed_checkpoint=True)
+    with pytest.raises(ValueError, match="save_distributed_checkpoint must be a bool"):
+        LocalSGDStrategy(sharded=True, replica_size=2, save_distributed_checkpoint="yes")
+    assert LocalSGDStrategy(sharded=True, replica_size=2, save_distributed_checkpoint=True).save_distributed_checkpoint
+    assert not LocalSGDStrategy(sharded=True, replica_size=2).save_distributed_checkpoint
 
 
 def test_fsdp2_cpu_offload_is_refused_before_it_could_move_a_shard_out_of_the_flat_buffer():

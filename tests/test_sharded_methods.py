@@ -197,6 +197,9 @@ def _suite(rank: int, out_dir: str) -> None:
     probed("bsp", probe)
     res["bsp"]["padded"] = probe.padded
     resume("bsp", BSPStrategy(**sharded), lambda: MLP("shard"))
+    # the same fit saving distributed checkpoints (replicas that never diverge: one copy in the DCP files)
+    fit("bsp_dcp", BSPStrategy(save_distributed_checkpoint=True, **sharded), lambda: MLP("shard"), checkpoints=True)
+    resume("bsp_dcp", BSPStrategy(save_distributed_checkpoint=True, **sharded), lambda: MLP("shard"))
     probe = Probe()
     fit("bsp_int8", BSPStrategy(compression="int8", **sharded), lambda: MLP("shard"), [probe])
     probed("bsp_int8", probe)
@@ -236,6 +239,9 @@ def _suite(rank: int, out_dir: str) -> None:
     fit("fedavg", FedAvgStrategy(**fedavg, **sharded), lambda: MLP("shard"), [probe], checkpoints=True)
     probed("fedavg", probe)
     resume("fedavg", FedAvgStrategy(**fedavg, **sharded), lambda: MLP("shard"))
+    dcp = dict(save_distributed_checkpoint=True)
+    fit("fedavg_dcp", FedAvgStrategy(**fedavg, **dcp, **sharded), lambda: MLP("shard"), checkpoints=True)
+    resume("fedavg_dcp", FedAvgStrategy(**fedavg, **dcp, **sharded), lambda: MLP("shard"))
     fit("fedavg_grouped", FedAvgStrategy(**fedavg, **kw), lambda: Plain(None))
 
     # 5. streaming DiLoCo: the whole model in flight for one step (vs grouped), and two fragments of the local shard
@@ -440,6 +446,24 @@ def test_a_resumed_sharded_fit_is_bit_identical_to_the_uninterrupted_one(suite, 
     assert not torch.equal(first["net.0.weight"], _load(out, method, 0)["net.0.weight"])  # training went on after it
     part = torch.load(out / f"ckpt_{method}" / "epoch=0.ckpt.rank1", weights_only=False)
     assert part["state_dict"]["net.0.weight"].shape == (WIDTH // SHARDS, 16)  # each rank's part holds its shards
+
+
+@pytest.mark.parametrize("method", ["bsp", "fedavg"])
+def test_a_fit_saving_distributed_checkpoints_and_one_resumed_from_its_first_are_the_plain_fit(suite, method):
+    """``save_distributed_checkpoint=True`` for a method whose replicas never diverge (BSP: one copy of each shard in
+    the DCP files, ``replica.<path>``) and for one whose replicas differ between rounds (FedAvg, a drawn subset)."""
+    from lightning_sync.comm.dcp import SHARD_REF
+
+    out, _ = suite
+    for rank in range(WORLD):
+        whole = _load(out, method, rank, buffers=True)
+        for name in (f"{method}_dcp", f"{method}_dcp_resumed"):
+            other = _load(out, name, rank, buffers=True)
+            assert whole.keys() == other.keys()
+            assert all(torch.equal(whole[k], other[k]) for k in whole), f"{name}, rank {rank}"
+    part = torch.load(out / f"ckpt_{method}_dcp" / "epoch=0.ckpt" / "rank1.pt", weights_only=True)
+    prefix = "replica." if method == "bsp" else "replica0."
+    assert part["state_dict"]["net.0.weight"][SHARD_REF] == f"{prefix}['state_dict']['net.0.weight']"
 
 
 # ----------------------------------------------------------------------------------------------- refusals

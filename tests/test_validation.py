@@ -457,6 +457,14 @@ def base_specs(parameter_server: bool = False, replica_groups: bool = True) -> d
             note="True alone raises for a missing replica_size, and the parameter-server family, OSP and Sync-Switch "
             "refuse it, saying why: tests/test_sharded.py, tests/test_sharded_methods.py",
         ),
+        "save_distributed_checkpoint": replace(
+            bool_arg("save_distributed_checkpoint"),
+            allowed="a bool; True needs sharded=True and no fault_tolerance",
+            valid=st.just(False),
+            edges_valid=(False,),
+            note="True without sharded=True, or with fault_tolerance, raises saying why: "
+            "tests/test_sharded.py::test_save_distributed_checkpoint_needs_sharded_replicas_without_fault_tolerance",
+        ),
         "verify_sync": bool_arg("verify_sync"),
         "compression": _COMPRESSION,
         "sync_stats": bool_arg("sync_stats"),
@@ -967,6 +975,7 @@ def test_every_strategy_inherits_syncstrategy_arguments_including_the_ddp_pass_t
         "compression",
         "replica_size",
         "sharded",
+        "save_distributed_checkpoint",
         "intra_link",
         "fault_tolerance",
         "local_clipping",

@@ -48,6 +48,7 @@ from lightning_sync.core import StepCounter
 from lightning_sync.core.outer import OuterOptimizer, OuterSGD
 from lightning_sync.core.validation import check_bool
 from lightning_sync.strategies.checkpoint import PerRankCheckpointing
+from lightning_sync.strategies.checkpoint_dir import check_distributed_checkpoint
 from lightning_sync.strategies.checks import START_METHODS, check_link, check_supported, ddp_arguments
 from lightning_sync.strategies.clipping import LocalClipping, LocalClippingMode, check_local_clipping
 from lightning_sync.strategies.codec import ExactCodec, codec_for
@@ -110,6 +111,11 @@ class SyncStrategy(
             family, Sync-Switch, OSP), saying why.
         sharded: ``True``: each replica's model is sharded with FSDP2 over its ranks and the method runs between
             replicas on each rank's shard (:mod:`~lightning_sync.strategies.sharded_topology`: the methods that do).
+        save_distributed_checkpoint: with ``sharded=True``, ``True`` makes a checkpoint a directory in
+            ``torch.distributed.checkpoint``'s format, every rank writing its own shards (no rank holds the whole
+            model), as Lightning's ``ModelParallelStrategy(save_distributed_checkpoint=True)``;
+            ``False`` (default): each rank's part a file beside the main file, which holds the whole model
+            (:mod:`~lightning_sync.strategies.checkpoint_dir`).
         intra_link: emulate the link inside a replica (a :class:`~lightning_sync.comm.LinkModel`, ``"100gbit"``...;
             default none; FSDP2's collectives too when sharded); needs replica groups (checked at setup).
         sync_stats: add a :class:`~lightning_sync.callbacks.SyncStats` callback (LSSR and bytes in the progress bar
@@ -222,6 +228,7 @@ class SyncStrategy(
         sync_stats: bool = True,
         replica_size: ReplicaSize = None,
         sharded: bool = False,
+        save_distributed_checkpoint: bool = False,
         intra_link: LinkModel | str | None = None,
         fault_tolerance: FaultTolerance | None = None,
         local_clipping: LocalClippingMode = "scaled",
@@ -238,6 +245,9 @@ class SyncStrategy(
         replica_size = check_replica_size(replica_size)
         intra_link = check_link(intra_link, "intra_link")
         self.sharded = check_sharded(self, sharded, replica_size, fault_tolerance)
+        self.save_distributed_checkpoint = check_distributed_checkpoint(
+            save_distributed_checkpoint, sharded, fault_tolerance
+        )
         check_refusal(self, replica_size=replica_size, intra_link=intra_link)
         check_bool("verify_sync", verify_sync)
         check_bool("sync_stats", sync_stats)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
@@ -218,5 +217,5 @@ class GlobalModelEvaluation:
             checkpoint_path = self.comm.broadcast_object(checkpoint_path, src=0, tag="checkpoint")
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING and self.replicas_diverge:
-            return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+            return self.load_global_model(checkpoint_path, weights_only=weights_only)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
