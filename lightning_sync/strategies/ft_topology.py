@@ -476,7 +476,7 @@ class FaultTolerantTopology(Topology):
         each rank all-reduces its own over its shard index's quorum, and a commit writes them back into FSDP2's
         gradients (a step that does not commit drops them, as above)."""
         s = self.strategy
-        tensors = self.within.average_grads(tag, comm)
+        tensors = self.within.average_grads_within(tag, comm)  # left in the flat buffer, written back on commit
         self._current_quorum()
         self._open = False
         assert self.ft is not None

@@ -203,6 +203,13 @@ class ShardedTopology(Topology):
         buffers, which FSDP2 leaves each rank its own, are then averaged over the replica's shards too (one exact
         all-reduce inside the replica, ``"intra/<tag>"``): every rank holds the mean of all ranks' buffers, as with
         flat BSP."""
+        tensors = self.average_grads_within(tag, comm)
+        self.strategy.flat.unpack_grads()
+        return tensors
+
+    def average_grads_within(self, tag: str, comm: Communicator | None = None) -> list[Tensor]:
+        """As :meth:`average_grads`, the local gradient shards left packed in the flat gradient buffer and not written
+        back: the fault-tolerant average between groups that follows writes them back once, when it commits."""
         s, r = self.strategy, self.strategy.replicas
         if comm is not None and comm is not s.comm:
             raise RuntimeError(f"{type(s).__name__}: average_grads over a subgroup has no sharded-replica form")
@@ -212,7 +219,6 @@ class ShardedTopology(Topology):
             tensors = s.codec.average_grads(r.across, flat, tag)
         else:  # one replica: FSDP2 averaged over every rank already
             tensors = flat.grad_tensors(with_buffers=False)
-        flat.unpack_grads()
         buffers = [g.buffers for g in flat.groups if g.buffer_numel]
         if buffers and r.shards is not None and r.shards.world_size > 1:
             r.shards.all_reduce_many(buffers, op="avg", tag=tag)

@@ -133,6 +133,12 @@ class Topology(ABC):
     def average_grads(self, tag: str, comm: Communicator | None = None) -> list[Tensor]:
         """Average the flat gradients (and floating buffers) over the replicas; returns what it made identical."""
 
+    def average_grads_within(self, tag: str, comm: Communicator | None = None) -> list[Tensor]:
+        """The gradient average of this layout when a further average follows it (between fault-tolerant replica
+        groups: ``FaultTolerantTopology``), left in the flat gradient buffer, which that caller writes back into
+        what the optimizer applies. Here the gradients are views of the buffer: :meth:`average_grads`."""
+        return self.average_grads(tag, comm)
+
     def identical_over(self) -> Communicator:
         """The ranks a gradient sync makes hold the same values as this rank (``verify_sync`` checks over them): every
         rank (sharded replicas: the ranks of this rank's shard index)."""
