@@ -295,8 +295,12 @@ def _suite(rank: int, out_dir: str) -> None:
     for method, make in resumable.items():
         dirpath = out / f"dcp_{method}"
         ckpt = ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=-1, filename="{epoch}", save_last=True)
+        # and the best one only: each epoch's save removes the previous directory (ModelCheckpoint's top-k)
+        best = ModelCheckpoint(dirpath=out / f"dcp_{method}_top1", monitor="step", mode="max", save_top_k=1,
+                               every_n_epochs=1, filename="{epoch}")  # fmt: skip
         epochs = dict(max_epochs=3, limit_train_batches=4, enable_checkpointing=True)
-        tr = fit(f"{method}_dcp_whole", make(save_distributed_checkpoint=True), lambda: MLP("shard"), [ckpt], **epochs)
+        tr = fit(f"{method}_dcp_whole", make(save_distributed_checkpoint=True), lambda: MLP("shard"), [ckpt, best],
+                 **epochs)  # fmt: skip
         if method == "localsgd":
             model = tr.lightning_module
             tr.limit_val_batches = 1.0
@@ -582,6 +586,8 @@ def test_a_distributed_checkpoint_is_a_dcp_directory_that_lightning_consolidates
     assert sorted(p.name for p in (out / "dcp_localsgd").iterdir()) == [f"epoch={e}.ckpt" for e in range(3)] + [
         "last.ckpt"
     ]  # no temporary directory left, no file beside the directories
+    for method in ("localsgd", "diloco"):  # top-1: the earlier epochs' directories removed, parts and all
+        assert sorted(p.name for p in (out / f"dcp_{method}_top1").iterdir()) == ["epoch=2.ckpt"]
     last = torch.load(out / "dcp_localsgd" / "last.ckpt" / "meta.pt", weights_only=True)
     assert last["epoch"] == 2 and "state_dict" not in last and "optimizer_states" not in last
     for rank in range(WORLD):
@@ -710,6 +716,13 @@ def test_save_distributed_checkpoint_needs_sharded_replicas_without_fault_tolera
     ft = FaultTolerance(lighthouse="http://localhost:29510", replica_group=0, replica_groups=2)
     with pytest.raises(ValueError, match=r"save_distributed_checkpoint=True is not supported with fault_tolerance"):
         DiLoCoStrategy(sharded=True, replica_size=2, fault_tolerance=ft, save_distributed_checkpoint=True)
+    from lightning_sync.strategies.checkpoint_dir import check_target
+
+    with pytest.raises(TypeError, match="storage_options=.* is not supported with save_distributed_checkpoint"):
+        check_target("ckpt/epoch=0.ckpt", {"region": "x"})
+    with pytest.raises(ValueError, match="s3://bucket/epoch=0.ckpt is not one"):
+        check_target("s3://bucket/epoch=0.ckpt", None)
+    check_target("ckpt/epoch=0.ckpt", None)
     with pytest.raises(ValueError, match="save_distributed_checkpoint must be a bool"):
         LocalSGDStrategy(sharded=True, replica_size=2, save_distributed_checkpoint="yes")
     assert LocalSGDStrategy(sharded=True, replica_size=2, save_distributed_checkpoint=True).save_distributed_checkpoint
