@@ -419,13 +419,16 @@ def _worker(
     batch_size: int = 32,
     evaluate: bool = True,
     script: str = "cnn",
+    straggler: float = 1.0,
 ) -> None:
     import warnings
 
     import lightning_sync  # noqa: F401  (registers the names)
+    from lightning_sync.callbacks import StragglerInjection
 
     warnings.filterwarnings("ignore")
     world = int(os.environ["WORLD_SIZE"])
+    slow = None if straggler == 1.0 else (lambda: [StragglerInjection(ranks=world - 1, slowdown=straggler)])
     rows = []
     for seed in seeds:
         for entry in names:
@@ -443,8 +446,9 @@ def _worker(
                 batch_size=batch_size,
                 evaluate=evaluate,
                 script=script,
+                callbacks=slow,
             )
-            res.update(seed=seed, world=world, strategy=entry, config=config, script=script)
+            res.update(seed=seed, world=world, strategy=entry, config=config, script=script, straggler=straggler)
             rows.append(res)
     if rank == 0:
         (Path(out) / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
@@ -663,6 +667,12 @@ def main(argv: list[str] | None = None) -> None:
         help="no runs: read the rows --json wrote and print, per strategy and configuration, what a check of the "
         "mean over --check-seeds seeds against ddp's would see (tests/test_dropin.py's ordinary-model check)",
     )
+    parser.add_argument(
+        "--straggler",
+        type=float,
+        default=1.0,
+        help="the last rank takes this many times its own step time (StragglerInjection; 1: none), in every row",
+    )
     parser.add_argument("--check-seeds", type=int, default=5, help="seeds per check (--analyse; 5)")
     parser.add_argument("--margin", type=float, default=3.0, help="the check's margin in points (--analyse; 3)")
     args = parser.parse_args(argv)
@@ -725,6 +735,8 @@ def main(argv: list[str] | None = None) -> None:
                     model_kwargs,
                     args.batch_size,
                     not args.fit_only,
+                    "cnn",
+                    args.straggler,
                 )
                 rows += json.loads((where / "rows.json").read_text())
                 print(f"[dropin] {config}, {world} ranks: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -733,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"Drop-in check (benchmarks/dropin.py): user-style script, {args.epochs} epochs, digits 8x8, ResNet-style "
             "CNN, SGD Nesterov + OneCycleLR, val_check_interval=0.5; CPU, 1 thread per rank; validation accuracy "
-            "after fit"
+            "after fit" + (f"; the last rank a x{args.straggler:g} straggler" if args.straggler != 1.0 else "")
         )
         print(_table(rows))
     return None

@@ -181,6 +181,53 @@ def _suite(rank: int, out_dir: str) -> None:
             "metric": strategy.sync_metrics().get("worker_momentum"),
         }
 
+    # 7. a per-step LR schedule under a x4 straggler follows the batches all ranks consumed (lr_pace="global", the
+    #    default), not the fast rank's own step count ("local")
+    class Scheduled(DigitsCNN):
+        def configure_optimizers(self):
+            opt = super().configure_optimizers()
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)),
+                    "interval": "step",
+                },
+            }
+
+    class Pace(Callback):
+        def __init__(self):
+            self.rows: list[tuple[int | None, int, int]] = []  # (target, schedule's steps before, after) per batch
+
+        def on_train_batch_start(self, trainer, *args):
+            self.before = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+
+        def on_train_batch_end(self, trainer, *args):
+            steps = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+            self.rows.append((trainer.strategy._pace_target, self.before, steps))
+
+    for pace in ("global", "local"):
+        pl.seed_everything(0)
+        pace_cb, count = Pace(), Count()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=ASPStrategy(timeout=TIMEOUT, lr_pace=pace),
+            max_epochs=1,
+            callbacks=[pace_cb, count, StragglerInjection(ranks=1, slowdown=4.0)],
+            **quiet_trainer_kwargs(limit_val_batches=0),
+        )
+        trainer.fit(Scheduled(lr=0.05, momentum=0.9), DigitsDataModule(batch_size=32))
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        res[f"pace_{pace}"] = {
+            "rows": pace_cb.rows,
+            "batches": count.batches.get(0, 0),
+            "total": count.total,
+            "steps": sched.last_epoch,
+            "lr": sched.get_last_lr()[0],
+            "wrapped": type(sched).__name__,
+            "saved_keys": sorted(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+        }
+
     res["done_at"] = time.time()
     (out / f"res_rank{rank}.json").write_text(json.dumps(res))
 
@@ -211,6 +258,27 @@ def test_straggler_does_not_gate_asp_or_aladdin(suite):
         fast, slow = res[0][name]["batches"], res[1][name]["batches"]
         assert fast + slow == res[0][name]["total"]  # dynamic assignment: the epoch is the data, consumed once
         assert fast > 2 * slow, (name, fast, slow)  # x4 straggler: the other rank does most of the epoch
+
+
+def test_a_per_step_lr_schedule_follows_the_data_all_ranks_consumed_not_the_fast_ranks_steps(suite):
+    res, _ = suite
+    total = res[0]["pace_global"]["total"]
+    share = math.ceil(total / WORLD)  # DDP's schedule after the epoch
+    fast, slow = res[0]["pace_global"], res[1]["pace_global"]
+    assert fast["batches"] + slow["batches"] == total and fast["batches"] > 2 * slow["batches"]
+    for r in (fast, slow):
+        assert r["wrapped"] == "GlobalPaceScheduler" and r["saved_keys"] == sorted(
+            torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0), lambda k: 1.0).state_dict()
+        )  # a checkpoint holds the user's scheduler state, nothing of the wrapper
+        for target, before, after in r["rows"]:
+            assert target is not None and after == max(before, target)  # to the data's step: none ahead, more behind
+        assert r["steps"] <= share and r["lr"] == pytest.approx(0.05 / (1 + r["steps"]))
+    # whichever rank trained the epoch's last batch ends where DDP's schedule ends; the fast rank's own count is far on
+    assert max(fast["steps"], slow["steps"]) == share and fast["batches"] > share
+    assert any(after - before > 1 for _, before, after in slow["rows"])  # the straggler caught up in bigger steps
+    local_fast, local_slow = res[0]["pace_local"], res[1]["pace_local"]
+    assert local_fast["wrapped"] == "LambdaLR"  # lr_pace="local": each rank's own count, the scheduler untouched
+    assert local_fast["steps"] == local_fast["batches"] > share and local_slow["steps"] == local_slow["batches"]
 
 
 def test_fit_hands_back_the_global_model_and_stops_every_server_thread(suite):

@@ -577,6 +577,7 @@ def _auto_or(number: Arg, message: str) -> Arg:
 
 
 _SHARD = int_arg("shard_size", 1)
+_LR_PACE = choice_arg("lr_pace", ("global", "local"), r"lr_pace must be 'global' \(.*\) or 'local'")
 _PUSH_SCALE = {
     "update_scale": Arg(
         allowed="'auto' (1/m) or a number in (0, inf)",
@@ -804,16 +805,20 @@ SPECS: dict[type, dict[str, Arg]] = {
         fixed_share=real_arg("fixed_share", 0.0, 1.0, high_open=True, none_ok=True),
         bucket_cap_mb=_BUCKET_CAP,
     ),
-    ASPStrategy: _with(base_specs(parameter_server=True, replica_groups=False), shard_size=_SHARD, **_PUSH_SCALE),
+    ASPStrategy: _with(
+        base_specs(parameter_server=True, replica_groups=False), shard_size=_SHARD, lr_pace=_LR_PACE, **_PUSH_SCALE
+    ),
     SSPStrategy: _with(
         base_specs(parameter_server=True, replica_groups=False),
         shard_size=_SHARD,
+        lr_pace=_LR_PACE,
         staleness=int_arg("staleness", 0),
         **_PUSH_SCALE,
     ),
     ALADDINStrategy: _with(
         base_specs(parameter_server=True, replica_groups=False),
         shard_size=_SHARD,
+        lr_pace=_LR_PACE,
         period=int_arg("period", 1),
         alpha=Arg(
             allowed="None (1 - 1/sqrt(n*period)), 'per_push', or a number in (0, 1]",
@@ -828,6 +833,7 @@ SPECS: dict[type, dict[str, Arg]] = {
     SyncSwitchStrategy: _with(
         base_specs(parameter_server=True, replica_groups=False),
         shard_size=_SHARD,
+        lr_pace=_LR_PACE,
         bsp_lr_scale=real_arg("bsp_lr_scale", 0.0, low_open=True, none_ok=True),
         asp_lr_scale=real_arg("asp_lr_scale", 0.0, low_open=True),
         **_PUSH_SCALE,

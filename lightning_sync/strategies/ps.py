@@ -28,6 +28,7 @@ from lightning_sync.core.ps import ShardPlan, ShardServer
 from lightning_sync.core.validation import check_int
 from lightning_sync.data.dynamic import dynamic_loader
 from lightning_sync.strategies.base import SyncStrategy
+from lightning_sync.strategies.lr_pace import GlobalPaceScheduler, paced_steps
 
 
 class ParameterServerStrategy(SyncStrategy):
@@ -67,11 +68,14 @@ class ParameterServerStrategy(SyncStrategy):
 
     Args:
         shard_size: largest shard, in elements (>= 1). Default 2**22 (16 MiB of float32).
+        lr_pace: how a step-interval LR scheduler advances: ``"global"`` (default) to the step DDP's schedule is at
+            after the batches all ranks consumed (a fast rank, which takes more than its share, does not run its
+            schedule ahead of the training; :mod:`lightning_sync.strategies.lr_pace`), or ``"local"``, one step per
+            optimizer step of this rank (Lightning's own).
     """
 
     mode: ClassVar[str] = "asp"
     replicas_diverge = True
-    carries_sigterm = True
     carries_sigterm = True
     fault_tolerance_refusal = (
         "the parameter server shards the model over fixed ranks that serve one another point to point at any "
@@ -93,8 +97,14 @@ class ParameterServerStrategy(SyncStrategy):
         "(BSPStrategy, or local SGD / DiLoCo for infrequent syncs)."
     )
 
-    def __init__(self, shard_size: int = 1 << 22, **kwargs: Any) -> None:
+    def __init__(self, shard_size: int = 1 << 22, lr_pace: str = "global", **kwargs: Any) -> None:
         self.shard_size = check_int("shard_size", shard_size, 1)
+        if lr_pace not in ("global", "local"):
+            raise ValueError(
+                f"lr_pace must be 'global' (a step-interval LR schedule follows the batches all ranks consumed) or "
+                f"'local' (each rank's own step count), got {lr_pace!r}"
+            )
+        self.lr_pace = lr_pace
         if kwargs.get("injection") is not None:
             raise ValueError(
                 f"injection must be None for {type(self).__name__}: with dynamic work assignment every rank draws "
@@ -114,6 +124,12 @@ class ParameterServerStrategy(SyncStrategy):
         self.exhausted_epochs = 0
         self._first_claimed: int | None = None  # the last epoch whose first batch (position = rank) was handed out
         self._resume_epoch: int | None = None  # after a resume: the epoch the first training iteration trains
+        #: the training loader's sampler (its ``positions``: the current iteration's batch positions, in the order
+        #: they are yielded), the batches all ranks train in an epoch, and the step a global-pace LR schedule is at
+        #: after the batch in training (lightning_sync.strategies.lr_pace)
+        self._sampler: Any = None
+        self._epoch_batches = 0
+        self._pace_target: int | None = None
         #: after fit: this rank's final server and worker counters (pushes, parameters received, SSP clock log, ...)
         self.server_summary: dict[str, Any] = {}
 
@@ -171,6 +187,8 @@ class ParameterServerStrategy(SyncStrategy):
                 # trains: a hang). This rank's restored count of finished epochs is the epoch it resumes.
                 epoch, self._resume_epoch = max(epoch, self._resume_epoch), None
             dataloader.batch_sampler.set_epoch(epoch)
+            self._sampler = dataloader.batch_sampler
+            self._epoch_batches = self._batches_per_epoch(trainer, dataloader.batch_sampler.num_batches)
             if dataloader.batch_sampler.num_batches < self.world_size:
                 raise ValueError(
                     f"{type(self).__name__} gives every rank at least one batch of each epoch, and this training "
@@ -180,6 +198,37 @@ class ParameterServerStrategy(SyncStrategy):
                     "more data (at least one batch per rank), or fewer ranks."
                 )
         return dataloader
+
+    def _batches_per_epoch(self, trainer: pl.Trainer, num_batches: int) -> int:
+        """Batches all ranks train in an epoch: the loader's, or ``world_size * limit_train_batches`` if fewer."""
+        limit = trainer.limit_train_batches
+        return min(num_batches, self.world_size * limit) if isinstance(limit, int) else num_batches
+
+    # ------------------------------------------------------------------ the learning-rate schedule's pace
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.lr_pace != "global":
+            return
+        for config in self.lr_scheduler_configs:
+            if config.interval == "step" and not isinstance(config.scheduler, GlobalPaceScheduler):
+                config.scheduler = GlobalPaceScheduler(config.scheduler, lambda: self._pace_target)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # the batch_idx-th batch of this epoch's iteration is the one its sampler yielded batch_idx-th (an iterator
+        # Lightning built and dropped, e.g. to estimate the stepping batches, took claims of its own: a new
+        # iteration starts a new list)
+        positions = self._sampler.positions if self._sampler is not None else []
+        if batch_idx >= len(positions):
+            self._pace_target = None  # not a batch of the dynamic loader: one step, as Lightning's own
+            return
+        trainer = self.lightning_module.trainer
+        self._pace_target = paced_steps(
+            trainer.current_epoch * self._epoch_batches,
+            positions[batch_idx],
+            self.world_size,
+            trainer.accumulate_grad_batches,
+        )
 
     def _claim(self, epoch: int) -> int:
         """The global batch position this rank trains next (subclasses may assign positions differently).
