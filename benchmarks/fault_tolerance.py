@@ -33,8 +33,14 @@ the table's numbers.
 replica_size="node"``; the word model's ``configure_model`` shards each encoder layer, the embedding, the projection
 and the output layer, then the rest with the root): ``plain`` is one world of ``--groups`` x N processes,
 ``ft``/``ft_kill`` are ``--groups`` jobs of N processes each (every rank a member of its shard index's torchft
-quorum), and ``ft_kill`` kills the whole group 1 (its session: every process of it). The DDP rows have no sharded
-counterpart here (Lightning's FSDP2 stopped and resumed would be the reference) and are refused with it.
+quorum), and ``ft_kill`` kills the whole group 1 (its session: every process of it). The reference rows of a
+sharded model are Lightning's own FSDP2 (``ModelParallelStrategy`` over all ``--groups`` x N ranks, the same link
+emulation: ``CountedFSDP2Strategy``, compare's ``fsdp2`` row): ``fsdp2`` uninterrupted and ``fsdp2_kill``, node 1 (its
+N processes) killed at 30 % of ``fsdp2``'s steps, every rank stopped, all restarted from ``last.ckpt`` (Lightning's
+distributed checkpoint directory, saved every ``--ckpt-every`` steps). The DDP rows are refused with ``--sharded``
+(DDP does not shard), the FSDP2 rows without it.
+
+    python benchmarks/fault_tolerance.py --strategy diloco --sharded 2 --rows ft,ft_kill,fsdp2,fsdp2_kill
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("plain", "ft", "ft_kill", "ddp", "ddp_kill")
+ROWS = ("plain", "ft", "ft_kill", "ddp", "ddp_kill", "fsdp2", "fsdp2_kill")
 
 
 def free_port() -> int:
@@ -77,7 +83,7 @@ def worker(cfg: dict[str, Any]) -> None:
     from lightning_sync import BSPStrategy, DiLoCoStrategy, FaultTolerance, LocalSGDStrategy
     from lightning_sync.compare import packaged_config
     from lightning_sync.launch import quiet_trainer_kwargs
-    from lightning_sync.strategies import CountedDDPStrategy
+    from lightning_sync.strategies import CountedDDPStrategy, CountedFSDP2Strategy
 
     torch.set_num_threads(cfg["threads"])
     out = Path(cfg["dir"])
@@ -102,10 +108,11 @@ def worker(cfg: dict[str, Any]) -> None:
 
     config = yaml.safe_load(packaged_config("words").read_text())
 
-    def build(entry: dict[str, Any], shard: bool = False) -> Any:
+    def build(entry: dict[str, Any]) -> Any:
+        # the word model shards itself in configure_model over the mesh a strategy gives it: device_mesh["shard"]
+        # (sharded=True) or device_mesh["data_parallel"] (ModelParallelStrategy)
         module, _, name = entry["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        return (_sharded(cls) if shard else cls)(**(entry.get("init_args") or {}))
+        return getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
 
     timeout = timedelta(seconds=cfg["timeout"])
     kwargs: dict[str, Any] = dict(link=cfg["link"], timeout=timeout, sync_stats=False)
@@ -122,6 +129,8 @@ def worker(cfg: dict[str, Any]) -> None:
         )
     if cfg["strategy"] == "ddp":
         strategy: Any = CountedDDPStrategy(link=cfg["link"], timeout=timeout)
+    elif cfg["strategy"] == "fsdp2":  # Lightning's ModelParallelStrategy, FSDP2 over every rank of every node
+        strategy = CountedFSDP2Strategy(link=cfg["link"], timeout=timeout)
     elif cfg["strategy"] == "localsgd":
         strategy = LocalSGDStrategy(**cfg["args"], **kwargs)
     elif cfg["strategy"] == "bsp":
@@ -147,27 +156,7 @@ def worker(cfg: dict[str, Any]) -> None:
         callbacks=callbacks,
         **quiet_trainer_kwargs(enable_checkpointing=bool(cfg.get("ckpt_every"))),
     )
-    trainer.fit(build(config["model"], shard=shards > 1), build(config["data"]), ckpt_path=cfg.get("resume"))
-
-
-def _sharded(cls: type) -> type:
-    """``cls`` (the word model) with a ``configure_model`` that shards it with FSDP2 over the replica's ranks."""
-
-    class Sharded(cls):  # type: ignore[misc, valid-type]
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import FSDPModule, fully_shard
-
-            if isinstance(self.head, FSDPModule):  # sharded at an earlier setup
-                return
-            mesh = self.device_mesh["shard"]
-            for layer in self.encoder.layers:
-                fully_shard(layer, mesh=mesh)
-            for part in (self.embed, self.proj, self.head):
-                fully_shard(part, mesh=mesh)
-            fully_shard(self, mesh=mesh)  # the rest (the positional embedding, the final norm) with the root
-
-    Sharded.__name__ = Sharded.__qualname__ = f"Sharded{cls.__name__}"
-    return Sharded
+    trainer.fit(build(config["model"]), build(config["data"]), ckpt_path=cfg.get("resume"))
 
 
 # ----------------------------------------------------------------------------------------------- one row
@@ -181,7 +170,7 @@ class Row:
         for stale in self.dir.glob("*.jsonl"):
             stale.unlink()
         self.kind = "ft" if name.startswith("ft") else "dist"
-        self.strategy = "ddp" if name.startswith("ddp") else args.strategy
+        self.strategy = name.removesuffix("_kill") if name.startswith(("ddp", "fsdp2")) else args.strategy
         self.procs: dict[int, subprocess.Popen] = {}
         self.lighthouse: subprocess.Popen | None = None
         self.t0 = time.time()
@@ -243,7 +232,7 @@ class Row:
             resume=resume,
             sharded=a.sharded,
         )
-        if self.strategy == "ddp":
+        if self.strategy in ("ddp", "fsdp2"):
             cfg.update(ckpt_every=a.ckpt_every, ckpt_dir=str(self.dir / "ckpt"))
         log = (self.dir / f"{cfg['who']}{index}.log").open("a")
         self.procs[index] = subprocess.Popen(
@@ -320,6 +309,11 @@ def run_row(name: str, seed: int, args: argparse.Namespace, kill_step: int | Non
                 # DDP: every rank stops (PeerFailure); then all restart from the last checkpoint
                 if all(p.poll() is not None for p in row.procs.values()):
                     row.events["all_stopped"] = time.time()
+                    for p in row.procs.values():  # a node's other processes, should one outlive its first
+                        try:
+                            os.killpg(p.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
                     last = row.dir / "ckpt" / "last.ckpt"
                     for i in range(args.groups):
                         row.launch(i, resume=str(last) if last.exists() else None)
@@ -352,7 +346,7 @@ def run_row(name: str, seed: int, args: argparse.Namespace, kill_step: int | Non
 
 
 def _ckpt_step(path: Path) -> int | None:
-    if not path.exists():
+    if not path.is_file():  # none, or a distributed checkpoint's directory (read from the steps: _lost_time)
         return None
     import torch
 
@@ -364,6 +358,10 @@ def _lost_time(row: Row, who: str) -> dict[str, Any]:
     two steps of a survivor (FT: the time the survivors lost; DDP: the restart of everything)."""
     kill, relaunch = row.events["kill"], row.events.get("relaunch")
     out: dict[str, Any] = {"resumed_from_step": row.events.get("resumed_from_step")}
+    if relaunch is not None and row.kind == "dist" and out["resumed_from_step"] is None:
+        # a distributed checkpoint (a directory): the step before the relaunched first process's first step
+        firsts = [s["step"] for s in row.steps(f"{who}0") if s["time"] >= relaunch]
+        out["resumed_from_step"] = firsts[0] - 1 if firsts else None
     if relaunch is not None:
         pid = row.procs[1].pid
         firsts = [s["time"] for s in row.steps(f"{who}1") if s["pid"] == pid]
@@ -425,7 +423,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "for diloco: sync_every=5)",
     )
     parser.add_argument(
-        "--rows", default=None, help=f"which rows, in order (default {','.join(ROWS)}; with --sharded plain,ft,ft_kill)"
+        "--rows",
+        default=None,
+        help="which rows, in order (default plain,ft,ft_kill,ddp,ddp_kill; with --sharded "
+        "plain,ft,ft_kill,fsdp2,fsdp2_kill)",
     )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--groups", type=int, default=3, help="replicas (replica groups, or DDP ranks)")
@@ -445,7 +446,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/fault_tolerance")
     args = parser.parse_args(argv)
     if args.rows is None:
-        args.rows = ",".join(ROWS if args.sharded <= 1 else ("plain", "ft", "ft_kill"))
+        args.rows = ",".join(ROWS[:5] if args.sharded <= 1 else ROWS[:3] + ROWS[5:])
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS]
     if bad:
@@ -453,11 +454,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rows = rows
     if args.sharded < 1:
         parser.error(f"--sharded must be >= 1, got {args.sharded}")
-    if args.sharded > 1 and (args.strategy == "bsp" or any(r.startswith("ddp") for r in rows)):
-        parser.error(
-            "--sharded runs local SGD or DiLoCo with the rows plain, ft, ft_kill: sharded fault-tolerant BSP is not "
-            "built, and Lightning's DDP has no sharded counterpart here (pass --rows plain,ft,ft_kill)"
-        )
+    if args.sharded > 1 and any(r.startswith("ddp") for r in rows):
+        parser.error("--rows: DDP does not shard a model; with --sharded the reference rows are fsdp2, fsdp2_kill")
+    if args.sharded == 1 and any(r.startswith("fsdp2") for r in rows):
+        parser.error("--rows: the fsdp2 rows shard the model over every rank: pass --sharded N (N >= 2)")
     defaults = {"localsgd": {"period": 5, "offset": 4}, "diloco": {"sync_every": 5}, "bsp": {}}[args.strategy]
     for item in args.strategy_arg:
         key, eq, value = item.partition("=")
